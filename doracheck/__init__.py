@@ -1,0 +1,15 @@
+"""doracheck: fast, memory-lean and verified DoRA (weight-decomposed low-rank adaptation).
+
+    y = doracheck.dora_linear(x, weight, lora_A, lora_B, magnitude, scaling, bias)
+    n = doracheck.factored_norm(weight, lora_A, lora_B, scaling)          # fp32 (d_out,)
+    layer = doracheck.DoRALinear.from_linear(linear, r=16, lora_alpha=32)
+
+The oracles live in ``doracheck.reference``, the kernels in ``doracheck.kernels``.
+"""
+
+from .functional import NormTerms, compose, dora_linear, factored_norm
+from .module import DoRALinear
+
+__version__ = "0.1.0"
+
+__all__ = ["DoRALinear", "NormTerms", "__version__", "compose", "dora_linear", "factored_norm"]

@@ -1,0 +1,107 @@
+"""Input checks for the public API: every message names the tensor and says expected vs got."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class DoraDims(NamedTuple):
+    d_in: int
+    d_out: int
+    r: int
+
+
+def _require_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}: expected a floating dtype (float16, bfloat16, float32, float64), got {t.dtype}")
+
+
+def _require_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"{name}: expected shape {tuple(expected)}, got {tuple(t.shape)}")
+
+
+def check_scaling(scaling) -> float:
+    if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real):
+        raise ValueError(f"scaling: expected a real number (lora_alpha / r), got {type(scaling).__name__}")
+    value = float(scaling)
+    if not math.isfinite(value):
+        raise ValueError(f"scaling: expected a finite number, got {value}")
+    return value
+
+
+def check_weights(
+    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, *, fan_in_fan_out: bool
+) -> DoraDims:
+    """Shapes, dtypes and devices of W, A, B; returns (d_in, d_out, r)."""
+    for name, t in (("weight", weight), ("lora_A", lora_A), ("lora_B", lora_B)):
+        _require_tensor(name, t)
+    if weight.dim() != 2:
+        layout = "(d_in, d_out)" if fan_in_fan_out else "(d_out, d_in)"
+        raise ValueError(f"weight: expected a 2-D tensor {layout}, got shape {tuple(weight.shape)}")
+    d_out, d_in = (weight.shape[1], weight.shape[0]) if fan_in_fan_out else weight.shape
+    if lora_A.dim() != 2:
+        raise ValueError(f"lora_A: expected a 2-D tensor (r, d_in={d_in}), got shape {tuple(lora_A.shape)}")
+    r = lora_A.shape[0]
+    _require_shape("lora_A", lora_A, (r, d_in))
+    _require_shape("lora_B", lora_B, (d_out, r))
+    _require_same_device({"weight": weight, "lora_A": lora_A, "lora_B": lora_B})
+    return DoraDims(int(d_in), int(d_out), int(r))
+
+
+def _require_same_device(tensors: dict[str, torch.Tensor]) -> None:
+    items = list(tensors.items())
+    ref_name, ref = items[0]
+    for name, t in items[1:]:
+        if t.device != ref.device:
+            raise ValueError(f"{name}: expected device {ref.device} (the device of {ref_name}), got {t.device}")
+
+
+def check_dora_inputs(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    magnitude: torch.Tensor,
+    scaling,
+    bias: torch.Tensor | None,
+    *,
+    dropout_p: float,
+    fan_in_fan_out: bool,
+    dropout_mask: torch.Tensor | None = None,
+) -> DoraDims:
+    """All of ``dora_linear``'s arguments; raises ValueError naming the offending one."""
+    _require_tensor("x", x)
+    dims = check_weights(weight, lora_A, lora_B, fan_in_fan_out=fan_in_fan_out)
+    if x.dim() < 1 or x.shape[-1] != dims.d_in:
+        raise ValueError(f"x: expected shape (..., {dims.d_in}) (d_in of weight), got {tuple(x.shape)}")
+    _require_tensor("magnitude", magnitude)
+    _require_shape("magnitude", magnitude, (dims.d_out,))
+    devices = {"x": x, "weight": weight, "magnitude": magnitude}
+    if bias is not None:
+        _require_tensor("bias", bias)
+        _require_shape("bias", bias, (dims.d_out,))
+        devices["bias"] = bias
+    _require_same_device(devices)
+    check_scaling(scaling)
+    if not (0.0 <= float(dropout_p) < 1.0):
+        raise ValueError(f"dropout_p: expected 0 <= p < 1, got {dropout_p}")
+    if dropout_mask is not None:
+        if not isinstance(dropout_mask, torch.Tensor):
+            raise ValueError(f"dropout_mask: expected a torch.Tensor, got {type(dropout_mask).__name__}")
+        try:
+            torch.broadcast_shapes(dropout_mask.shape, x.shape)
+        except RuntimeError:
+            raise ValueError(
+                f"dropout_mask: expected a shape broadcastable to x {tuple(x.shape)}, got {tuple(dropout_mask.shape)}"
+            ) from None
+        _require_same_device({"x": x, "dropout_mask": dropout_mask})
+    return dims

@@ -1,0 +1,51 @@
+"""The stable DoRA compose and the dm reduction, pure torch (same signatures as the Triton ones).
+
+Compose (DESIGN section 2): evaluated in fp32, rounded once to the output dtype:
+    y = base + b + (g - 1)⊙base_d + g⊙s⊙lora        (base_d = base without dropout)
+Never ``g·(base + s·lora) - base`` in low precision: near g ≈ 1 it cancels.
+
+dm reduction: S_i = Σ_t dy_ti·z_ti in fp32, so that dm = S / max(n, eps); the torch
+sum is deterministic on a given device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def compose_torch(
+    base: torch.Tensor,
+    lora: torch.Tensor,
+    g: torch.Tensor,
+    scaling: float,
+    bias: torch.Tensor | None = None,
+    base_dropped: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = base + b + (g-1)⊙base_d + g⊙s⊙lora, fp32 math, one rounding to ``base.dtype``.
+
+    ``base``, ``lora``, ``base_dropped``: (T, d_out); ``g``: fp32 (d_out,); ``bias``: (d_out,).
+    ``out`` may alias ``base`` (in place).
+    """
+    f32 = torch.float64 if base.dtype == torch.float64 else torch.float32
+    gf = g.to(f32)
+    base32 = base.to(f32)
+    if base_dropped is None:
+        y = gf * (base32 + float(scaling) * lora.to(f32))
+    else:
+        y = base32 + (gf - 1.0) * base_dropped.to(f32) + (gf * float(scaling)) * lora.to(f32)
+    if bias is not None:
+        y = y + bias.to(f32)
+    if out is None:
+        return y.to(base.dtype)
+    out.copy_(y)
+    return out
+
+
+def scaled_grad_and_dm_sum_torch(dy: torch.Tensor, z: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dz, S): dz = g⊙dy rounded to dy.dtype, S = Σ_t dy⊙z accumulated in fp32 (d_out,)."""
+    f32 = torch.float64 if dy.dtype == torch.float64 else torch.float32
+    dy32 = dy.to(f32)
+    dz = (dy32 * g.to(f32)).to(dy.dtype)
+    dm_sum = (dy32 * z.to(f32)).sum(0)
+    return dz, dm_sum
