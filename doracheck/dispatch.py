@@ -5,6 +5,9 @@ Callers ask ``choose_path(tensor)``; ``describe_path`` says why, for ``doracheck
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import importlib.util
 import os
 from typing import NamedTuple
@@ -21,9 +24,40 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+_PATH_OVERRIDE: contextvars.ContextVar[str | None] = contextvars.ContextVar("doracheck_path", default=None)
+
+
 def _forced_path() -> str | None:
+    """A path forced by ``use_path`` (innermost wins) or by the DORACHECK_PATH variable."""
+    override = _PATH_OVERRIDE.get()
+    if override:
+        return override
     forced = os.environ.get("DORACHECK_PATH", "").strip().lower()
     return forced or None
+
+
+@contextlib.contextmanager
+def use_path(name: str):
+    """Force the implementation ("torch", "triton" or "auto") for calls made inside the block."""
+    if name not in ("torch", "triton", "auto"):
+        raise ValueError(f"use_path: expected torch, triton or auto, got {name!r}")
+    token = _PATH_OVERRIDE.set(name)
+    try:
+        yield
+    finally:
+        _PATH_OVERRIDE.reset(token)
+
+
+def forced_path(name: str, fn):
+    """``fn`` wrapped so that each call runs under ``use_path(name)`` (forward and the
+    autograd backward it records both decide at call time, inside the block)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with use_path(name):
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def choose_path(device: torch.device) -> PathChoice:

@@ -1,0 +1,3 @@
+from doracheck.cli.main import main
+
+raise SystemExit(main())

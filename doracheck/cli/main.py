@@ -1,0 +1,35 @@
+"""``doracheck`` entry point. Exit codes: 0 all good, 1 findings or failed checks, 2 bad usage/input."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import env_cmd, verify_cmd
+
+EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse exits 2 already; keep the message on one line
+        self.print_usage(sys.stderr)
+        print(f"doracheck: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="doracheck", description="Fast, verified DoRA: kernels, oracles and checks.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    env_cmd.add_parser(sub)
+    verify_cmd.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
