@@ -60,18 +60,37 @@ def forced_path(name: str, fn):
     return wrapper
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def choose_path(device: torch.device) -> PathChoice:
     """Decide the implementation for tensors on ``device``.
 
-    This version ships the torch path only; the Triton kernels plug in here when they land
-    (issue 3), so the decision and its reason stay in one function.
+    auto: Triton on CUDA when triton imports; the torch path otherwise. Forcing "triton"
+    (``use_path`` or DORACHECK_PATH) also works for CPU tensors under TRITON_INTERPRET=1,
+    which is how CI exercises the kernels without a GPU.
     """
     forced = _forced_path()
-    if forced not in (None, "torch", "auto"):
-        return PathChoice("torch", f"DORACHECK_PATH={forced} asked for, but this version has only the torch path")
+    has_triton = triton_available()
+    if forced == "torch":
+        return PathChoice("torch", "forced: the torch path")
+    if forced == "triton":
+        if not has_triton:
+            raise RuntimeError("doracheck: the Triton path was forced but triton is not installed")
+        if device.type != "cuda" and not _interpreting():
+            raise RuntimeError(
+                f"doracheck: the Triton path was forced for {device.type} tensors; set TRITON_INTERPRET=1 to run the "
+                "kernels on the CPU"
+            )
+        return PathChoice("triton", "forced: the Triton kernels")
+    if forced not in (None, "auto"):
+        raise ValueError(f"DORACHECK_PATH: expected torch, triton or auto, got {forced!r}")
     if device.type != "cuda":
-        return PathChoice("torch", f"tensors on {device.type}: the torch path")
-    return PathChoice("torch", "CUDA tensors: the torch path (Triton kernels are not in this version)")
+        return PathChoice("torch", f"tensors on {device.type}: the torch path (Triton kernels run on CUDA)")
+    if not has_triton:
+        return PathChoice("torch", "CUDA tensors but triton is not installed: the torch path")
+    return PathChoice("triton", "CUDA tensors and triton present: the Triton kernels")
 
 
 def describe_path(device: torch.device | str) -> PathChoice:
@@ -81,20 +100,22 @@ def describe_path(device: torch.device | str) -> PathChoice:
 # --- routing: each op asks choose_path once per call --------------------------------------
 
 
-def factored_norm_full(weight, lora_A, lora_B, scaling, *, fan_in_fan_out=False):
-    """Factored norm with its factors (U, G): ``doracheck.kernels.FactoredNorm``."""
-    from doracheck.kernels import factored_norm_torch
+def factored_norm_full(weight, lora_A, lora_B, scaling, *, fan_in_fan_out=False, need_factors=False):
+    """The factored norm as ``doracheck.kernels.FactoredNorm`` (fp32). ``need_factors``
+    asks for U and G too (the exact ``detach_norm=False`` backward): the torch path gives them."""
+    from doracheck.kernels import FactoredNorm, factored_norm_torch
 
-    return factored_norm_torch(weight, lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out)
+    fp64 = any(t.dtype == torch.float64 for t in (weight, lora_A, lora_B))
+    if need_factors or fp64 or choose_path(weight.device).name == "torch":
+        return factored_norm_torch(weight, lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out)
+    from doracheck.kernels import ops  # noqa: F401  (registers torch.ops.doracheck)
+
+    base, cross, lora, norm = torch.ops.doracheck.factored_norm(weight, lora_A, lora_B, float(scaling), fan_in_fan_out)
+    return FactoredNorm(base, cross, lora, norm, None, None)
 
 
 def compose(base, lora, g, scaling, bias=None, base_dropped=None, out=None):
+    """The elementwise stable compose (torch; the Triton path fuses it into the up-projection)."""
     from doracheck.kernels import compose_torch
 
     return compose_torch(base, lora, g, scaling, bias, base_dropped=base_dropped, out=out)
-
-
-def scaled_grad_and_dm_sum(dy, z, g):
-    from doracheck.kernels import scaled_grad_and_dm_sum_torch
-
-    return scaled_grad_and_dm_sum_torch(dy, z, g)

@@ -52,8 +52,13 @@ def _default_rows() -> list[Budget]:
     # norm: always fp32 accumulation whatever the weight dtype (inputs are already
     # quantized), K = d_in + r terms: rel error of n² ≲ γ_K·cond; for well-conditioned rows
     # 64·u(fp32) covers K up to a few thousand with random data.
-    for dt in DTYPES:
+    for dt in ("fp32", "fp16"):
         rows.append(Budget("norm", "norm", dt, "*", 64.0 * u("fp32"), "default: 64·u(fp32) (fp32 accumulation)"))
+    # bf16 weights with fp32 adapters (PEFT's default): the Triton U = W·Aᵀ runs on bf16
+    # tensor cores with A split into two bf16 halves, so A carries 16 of its 24 bits:
+    # 2⁻¹⁷ relative per product, up to 2⁻¹⁶ on a cross-dominated n². Budget 2⁻¹⁶ = 256·u(fp32);
+    # that is 256x below one bf16 ulp of the output, so g is unaffected at bf16 precision.
+    rows.append(Budget("norm", "norm", "bf16", "*", 256.0 * u("fp32"), "default: 256·u(fp32) = 2^-16 (bf16 hi+lo split of fp32 A)"))
     return rows
 
 

@@ -43,14 +43,14 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("peft")
+peft = pytest.importorskip("peft")
 
+from doracheck.reference import rel_l2  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from peft.tuners.lora import Linear as PeftLoraLinear  # noqa: E402
 from peft.tuners.lora.dora import DoraLinearLayer  # noqa: E402
 
 import doracheck  # noqa: E402
-from doracheck.reference import rel_l2  # noqa: E402
 
 ADAPTER = "default"
 TOL = 1e-5
@@ -169,7 +169,12 @@ def _extract(module: PeftLoraLinear, name: str = ADAPTER) -> _Params:
 
 
 def _grads(x, params: _Params) -> dict[str, torch.Tensor]:
-    return {"x": x.grad, "lora_A": params.lora_A.grad, "lora_B": params.lora_B.grad, "magnitude": params.magnitude.grad}
+    return {
+        "x": x.grad,
+        "lora_A": params.lora_A.grad,
+        "lora_B": params.lora_B.grad,
+        "magnitude": params.magnitude.grad,
+    }
 
 
 def _run_peft(module: PeftLoraLinear, x: torch.Tensor, dy: torch.Tensor):
@@ -228,7 +233,10 @@ def _errors(y_peft, g_peft, y_dc, g_dc) -> dict[str, float]:
 
 
 def _assert_close(errs: dict[str, float], case: str) -> None:
-    print(f"[{case}] worst rel_l2 = {max(errs.values()):.3e}  " + "  ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+    print(
+        f"[{case}] worst rel_l2 = {max(errs.values()):.3e}  "
+        + "  ".join(f"{k}={v:.2e}" for k, v in errs.items())
+    )
     bad = {k: v for k, v in errs.items() if not v <= TOL}
     assert not bad, f"{case}: relative L2 error above {TOL}: {bad} (all: {errs})"
 
@@ -269,12 +277,14 @@ CASES = [
         Case(dropout_p=0.4, training=True, conv1d=True, use_rslora=True, d_in=9, d_out=15, r=5, seed=11),
         id="dropout-train-conv1d-rslora",
     ),
-    pytest.param(Case(dropout_p=0.5, training=True, mask_per_token=True, seed=12), id="dropout-train-token-mask"),
+    pytest.param(
+        Case(dropout_p=0.5, training=True, mask_per_token=True, seed=12), id="dropout-train-token-mask"
+    ),
 ]
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_matches_peft_dora(case: Case):
+def test_matches_peft_dora(case: Case, request):
     model, module = _build_peft_linear(
         case.d_in,
         case.d_out,
@@ -322,39 +332,50 @@ def test_matches_peft_dora(case: Case):
         y_nodrop, _ = _run_doracheck(params, x, dy)
         assert rel_l2(y_nodrop, y_peft) > 1e-3
 
-    _assert_close(_errors(y_peft, g_peft, y_dc, g_dc), case=str(case))
+    _assert_close(_errors(y_peft, g_peft, y_dc, g_dc), case=request.node.callspec.id)
 
 
-def test_zero_row_doracheck_zero_peft_nan():
-    """Row i of W and row i of B all zero: V_i = 0, n_i = 0.
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_zero_row_doracheck_zero_peft_nan(bias: bool):
+    """Row i of W and row i of B all zero: V_i = 0, n_i = 0 (a documented difference).
 
-    doracheck: g_i = m_i / max(0, 1e-12), and z_i = x·V_iᵀ = 0 exactly, so y[..., i] = 0 (no
-    bias) and every gradient stays finite. PEFT: m_i / 0 = inf and inf·0 = NaN in y[..., i].
-    The other output features must still agree to 1e-5.
+    doracheck: g_i = m_i / max(0, 1e-12) and z_i = x·V_iᵀ = 0 exactly, so the DoRA part of
+    feature i is 0: y[..., i] = 0 without bias, = b_i with bias; every gradient is finite and
+    dm_i = 0. PEFT 0.21: m_i / 0 = inf and inf·0 = NaN, so y[..., i] is NaN, and in the
+    backward the NaN spreads to all of dx and dA, row i of dB and dm_i. Everything that PEFT
+    leaves finite must still agree with doracheck to 1e-5.
     """
     d_in, d_out, r, i = 13, 7, 3, 4
-    model, module = _build_peft_linear(d_in, d_out, r, 5.0, bias=False, seed=20)
+    model, module = _build_peft_linear(d_in, d_out, r, 5.0, bias=bias, seed=20)
     model.eval()
     with torch.no_grad():
         module.base_layer.weight[i].zero_()
         module.lora_B[ADAPTER].weight[i].zero_()
     params = _extract(module)
-    assert float(params.magnitude[i]) > 0
+    assert float(params.magnitude.detach()[i]) > 0
     x, dy, _ = _inputs(2, 5, d_in, d_out, seed=20)
 
     y_dc, g_dc = _run_doracheck(params, x, dy)
-    assert bool((y_dc[..., i] == 0).all()), "doracheck: a zero row of V must give output 0"
+    expected_i = (
+        torch.zeros_like(y_dc[..., i]) if not bias else params.bias.detach()[i].expand_as(y_dc[..., i])
+    )
+    assert torch.equal(y_dc[..., i], expected_i), "doracheck: a zero row of V must give a zero DoRA term"
     assert torch.isfinite(y_dc).all()
     for key, grad in g_dc.items():
         assert torch.isfinite(grad).all(), f"doracheck: non-finite gradient for {key}"
     assert float(g_dc["magnitude"][i]) == 0.0
 
-    y_peft, _ = _run_peft(module, x, dy)
-    assert bool(torch.isnan(y_peft[..., i]).all()), (
-        f"PEFT {__import__('peft').__version__} no longer gives NaN for a zero row of V: {y_peft[..., i]}"
-    )
+    y_peft, g_peft = _run_peft(module, x, dy)
+    version = peft.__version__
+    assert bool(torch.isnan(y_peft[..., i]).all()), f"PEFT {version} no longer gives NaN for a zero row of V"
+    assert bool(torch.isnan(g_peft["x"]).all()) and bool(torch.isnan(g_peft["lora_A"]).all())
+    assert bool(torch.isnan(g_peft["lora_B"][i]).all()) and bool(torch.isnan(g_peft["magnitude"][i]))
+
     others = [j for j in range(d_out) if j != i]
     assert torch.isfinite(y_peft[..., others]).all()
-    err = rel_l2(y_dc[..., others], y_peft[..., others])
-    print(f"[zero-row] rel_l2 on the other features = {err:.3e}")
-    assert err <= TOL
+    errs = {
+        "y": rel_l2(y_dc[..., others], y_peft[..., others]),
+        "lora_B": rel_l2(g_dc["lora_B"][others], g_peft["lora_B"][others]),
+        "magnitude": rel_l2(g_dc["magnitude"][others], g_peft["magnitude"][others]),
+    }
+    _assert_close(errs, case=f"zero-row-{'bias' if bias else 'nobias'} (features != {i})")

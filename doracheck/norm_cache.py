@@ -1,0 +1,87 @@
+"""Reuse the DoRA norm while W, A, B and s are unchanged.
+
+The key is, for each of W, A, B: the tensor's identity, its data pointer and its version
+counter (bumped by every in-place write through the tensor or a view of it, including
+optimizer steps under no_grad), plus s, the layout flag, shapes, dtypes and device. An
+entry also holds weak references to the three tensors and is dropped when B is freed, so a
+new tensor that happens to reuse an address never matches.
+
+This covers inference calls, gradient-accumulation micro-steps and activation-checkpoint
+recomputation. Not covered (so not cached): tensors without a version counter (inference
+tensors), and torch.compile tracing (the cache is Python state; compiled graphs recompute).
+One hole cannot be closed cheaply: writes through ``param.data`` bypass the version counter;
+call ``clear_norm_cache()`` after such writes.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+
+import torch
+
+MAX_ENTRIES = 4096
+_lock = threading.Lock()
+_entries: OrderedDict[int, tuple] = OrderedDict()
+_stats = {"hits": 0, "misses": 0}
+
+
+def _fingerprint(t: torch.Tensor):
+    return (id(t), t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+
+def _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, detach_norm):
+    try:
+        return (_fingerprint(weight), _fingerprint(lora_A), _fingerprint(lora_B), float(scaling), bool(fan_in_fan_out))
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+
+
+def _cacheable() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return not (compiler is not None and compiler.is_compiling())
+
+
+def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, *, detach_norm=True):
+    """Return the cached value for these tensors' current contents, or ``compute()`` and cache it."""
+    if not _cacheable():
+        return compute()
+    key = _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, detach_norm)
+    if key is None:
+        return compute()
+    slot = id(lora_B)
+    with _lock:
+        entry = _entries.get(slot)
+        if entry is not None:
+            refs, entry_key, value = entry
+            if entry_key == key and refs[0]() is weight and refs[1]() is lora_A and refs[2]() is lora_B:
+                _entries.move_to_end(slot)
+                _stats["hits"] += 1
+                return value
+    value = compute()
+    refs = (weakref.ref(weight), weakref.ref(lora_A), weakref.ref(lora_B, lambda _r, s=slot: _forget(s)))
+    with _lock:
+        _stats["misses"] += 1
+        _entries[slot] = (refs, key, value)
+        _entries.move_to_end(slot)
+        while len(_entries) > MAX_ENTRIES:
+            _entries.popitem(last=False)
+    return value
+
+
+def _forget(slot: int) -> None:
+    with _lock:
+        _entries.pop(slot, None)
+
+
+def clear_norm_cache() -> None:
+    """Drop every cached norm (needed only after writes through ``.data``)."""
+    with _lock:
+        _entries.clear()
+
+
+def norm_cache_stats() -> dict:
+    """{"hits", "misses", "entries"} since start (for tests and benchmarks)."""
+    with _lock:
+        return {**_stats, "entries": len(_entries)}

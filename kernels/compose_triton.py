@@ -1,0 +1,173 @@
+"""Fused LoRA up-projection + stable DoRA compose, and the backward's dz/dm pass, in Triton.
+
+``_lora_up_compose_kernel`` (forward): a GEMM lora = xa·Bᵀ (M = T, N = d_out, K = r) whose
+epilogue reads the base output x·Wᵀ (and x_d·Wᵀ with dropout), g and b, and writes y once:
+    no dropout: y = b + g⊙(base + s·lora)
+    dropout:    y = b + base + (g-1)⊙base_d + g⊙s⊙lora
+all in fp32 registers, rounded once to the output dtype (DESIGN section 2). ``y`` may alias
+``base`` (each element is read before it is written, by the same program). Optionally it
+also writes z_d = base_d + s·lora (needed by the backward when dropout is active).
+
+``_grad_scale_dm_kernel`` (backward): one pass over dy giving dz = g⊙dy (output dtype) and
+fp32 partial sums over token blocks of dy⊙(y - b) (from the saved output) or of dy⊙z (from
+a saved z); the partials (n_token_blocks, d_out) are summed afterwards in a fixed order, so
+dm is bitwise deterministic (no atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from .settings import compose_config, grad_config
+from .triton_common import dot_acc, interpreting, round_to
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _lora_up_compose_kernel(
+    y_ptr, stride_yt, stride_yd,  # out: (T, d_out), may alias base
+    z_ptr, stride_zt, stride_zd,  # out (WRITE_Z): z_d = base_d + s·lora
+    base_ptr, stride_bt, stride_bd,  # x·Wᵀ (T, d_out)
+    based_ptr, stride_dt, stride_dd,  # x_d·Wᵀ (HAS_BASE_D)
+    xa_ptr, stride_xt, stride_xr,  # x_d·Aᵀ (T, r)
+    lb_ptr, stride_lm, stride_lr,  # B (d_out, r)
+    g_ptr, bias_ptr,  # g fp32 (d_out,), bias (d_out,)
+    T, d_out, r, scaling,
+    HAS_BIAS: tl.constexpr, HAS_BASE_D: tl.constexpr, WRITE_Z: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    n_m = tl.cdiv(T, BLOCK_M)
+    n_n = tl.cdiv(d_out, BLOCK_N)
+    # Grouped ordering: GROUP_M row blocks share B column tiles in L2.
+    group = GROUP_M * n_n
+    first_m = (pid // group) * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    row_ok = rows < T
+    col_ok = cols < d_out
+    s = tl.cast(scaling, tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, r, BLOCK_K):
+        k = k0 + kk
+        k_ok = k < r
+        xa = tl.load(xa_ptr + rows[:, None] * stride_xt + k[None, :] * stride_xr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        lb = tl.load(lb_ptr + cols[:, None] * stride_lm + k[None, :] * stride_lr, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = dot_acc(xa.to(DOT_DTYPE), tl.trans(lb.to(DOT_DTYPE)), acc, INTERPRET, PRECISION)
+    mask = row_ok[:, None] & col_ok[None, :]
+    g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    base = tl.load(base_ptr + rows[:, None] * stride_bt + cols[None, :] * stride_bd, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BASE_D:
+        base_d = tl.load(based_ptr + rows[:, None] * stride_dt + cols[None, :] * stride_dd, mask=mask, other=0.0).to(tl.float32)
+        z = base_d + s * acc
+        y = base + (g - 1.0) * base_d + (g * s) * acc
+    else:
+        z = base + s * acc
+        y = g * z
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_yt + cols[None, :] * stride_yd, round_to(y, y_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    if WRITE_Z:
+        tl.store(z_ptr + rows[:, None] * stride_zt + cols[None, :] * stride_zd, round_to(z, z_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+
+@triton.jit
+def _grad_scale_dm_kernel(
+    dz_ptr, stride_zt, stride_zd,  # out: dz = g⊙dy (T, d_out)
+    part_ptr, stride_pb,  # out: (n_token_blocks, d_out) fp32 partials of Σ_t dy⊙h
+    dy_ptr, stride_gt, stride_gd,  # dy (T, d_out)
+    h_ptr, stride_ht, stride_hd,  # saved y (FROM_OUTPUT) or z (T, d_out)
+    g_ptr, bias_ptr,
+    T, d_out,
+    FROM_OUTPUT: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dz = g⊙dy; partial[tb, i] = Σ_{t in block tb} dy_ti·h_ti with h = y - b (= g·z) or z."""
+    pid_t = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1).to(tl.int64)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < d_out
+    mask = (rows < T)[:, None] & col_ok[None, :]
+    g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    dy = tl.load(dy_ptr + rows[:, None] * stride_gt + cols[None, :] * stride_gd, mask=mask, other=0.0).to(tl.float32)
+    h = tl.load(h_ptr + rows[:, None] * stride_ht + cols[None, :] * stride_hd, mask=mask, other=0.0).to(tl.float32)
+    if FROM_OUTPUT and HAS_BIAS:
+        h -= tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(dz_ptr + rows[:, None] * stride_zt + cols[None, :] * stride_zd, round_to(dy * g, dz_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    tl.store(part_ptr + pid_t * stride_pb + cols, tl.sum(tl.where(mask, dy * h, 0.0), axis=0), mask=col_ok)
+
+
+def lora_up_compose_triton(
+    base: torch.Tensor,
+    xa: torch.Tensor,
+    lora_B: torch.Tensor,
+    g: torch.Tensor,
+    scaling: float,
+    bias: torch.Tensor | None = None,
+    base_dropped: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    z_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = compose(base, xa·Bᵀ, g) in base.dtype; ``out`` may be ``base`` itself (in place)."""
+    T, d_out = base.shape
+    r = xa.shape[1]
+    y = out if out is not None else torch.empty_like(base)
+    if T == 0 or d_out == 0:
+        return y
+    cfg = compose_config(T, d_out, r)
+    dot_dtype = _TL_DTYPE[xa.dtype]
+    grid = (triton.cdiv(T, cfg.block_m) * triton.cdiv(d_out, cfg.block_n),)
+    bd = base_dropped if base_dropped is not None else base
+    z = z_out if z_out is not None else y
+    wrap_triton(_lora_up_compose_kernel)[grid](
+        y, y.stride(0), y.stride(1),
+        z, z.stride(0), z.stride(1),
+        base, base.stride(0), base.stride(1),
+        bd, bd.stride(0), bd.stride(1),
+        xa, xa.stride(0), xa.stride(1),
+        lora_B, lora_B.stride(0), lora_B.stride(1),
+        g, bias if bias is not None else g,
+        T, d_out, r, float(scaling),
+        HAS_BIAS=bias is not None, HAS_BASE_D=base_dropped is not None, WRITE_Z=z_out is not None,
+        DOT_DTYPE=dot_dtype, PRECISION="tf32x3" if xa.dtype == torch.float32 else "ieee", INTERPRET=interpreting(),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y
+
+
+def grad_scale_dm_triton(
+    dy: torch.Tensor, saved: torch.Tensor, g: torch.Tensor, bias: torch.Tensor | None, *, from_output: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dz, S): dz = g⊙dy in dy.dtype; S = Σ_t dy⊙(y - b) if ``from_output`` else Σ_t dy⊙z (fp32)."""
+    T, d_out = dy.shape
+    dz = torch.empty_like(dy)
+    cfg = grad_config(T, d_out)
+    n_tb = triton.cdiv(T, cfg.block_t) if T else 0
+    if n_tb == 0 or d_out == 0:
+        return dz, torch.zeros(d_out, dtype=torch.float32, device=dy.device)
+    part = torch.empty(n_tb, d_out, dtype=torch.float32, device=dy.device)
+    grid = (n_tb, triton.cdiv(d_out, cfg.block_d))
+    wrap_triton(_grad_scale_dm_kernel)[grid](
+        dz, dz.stride(0), dz.stride(1),
+        part, part.stride(0),
+        dy, dy.stride(0), dy.stride(1),
+        saved, saved.stride(0), saved.stride(1),
+        g, bias if bias is not None else g,
+        T, d_out,
+        FROM_OUTPUT=from_output, HAS_BIAS=bias is not None and from_output, INTERPRET=interpreting(),
+        BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d,
+        num_warps=cfg.num_warps,
+    )
+    return dz, part.sum(0) if n_tb > 1 else part[0]

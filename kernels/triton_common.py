@@ -1,0 +1,42 @@
+"""Small pieces shared by the Triton kernels: interpreter detection and the dot helper.
+
+Under ``TRITON_INTERPRET=1`` the interpreter mis-computes ``tl.dot`` on bf16 operands
+(it multiplies raw bit patterns, triton#11584), so dots take an ``INTERPRET`` constexpr
+and upcast their operands to fp32 there. On a GPU the operands stay in their dtype.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def dot_acc(a, b, acc, INTERPRET: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a·b with fp32 accumulation (operands upcast under the interpreter)."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 ``x`` rounded to nearest-even in DTYPE.
+
+    The interpreter truncates fp32 -> bf16 (seen with triton 3.9: half of random values
+    came out one ulp low), so there the rounding is done on the bits: add 0x7FFF plus the
+    lowest kept bit, clear the low half; the truncating cast of that exact value is then exact.
+    """
+    if INTERPRET and DTYPE == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(DTYPE)
+    else:
+        return x.to(DTYPE)

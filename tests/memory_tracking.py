@@ -1,0 +1,79 @@
+"""Measure the peak tensor memory a function allocates, on any device (CPU included).
+
+CPU torch keeps no allocator statistics, so this counts at the ATen level instead: a
+``TorchDispatchMode`` sees every op, records the storage of each output tensor that did not
+exist before (not an input's storage, not one already tracked), and holds a weak reference
+to that *storage* (``StorageWeakRef``: it expires when the last tensor or view using the
+storage dies, not when one Python tensor object does). After every op the expired storages
+are dropped and the live bytes summed; the peak is the largest such sum.
+
+What it sees: every tensor produced by an ATen op while the mode is active, including
+temporaries that die inside the measured function, and views (which share a storage and are
+counted once). What it does not see: scratch memory inside a single kernel (e.g. a BLAS
+packing buffer), and memory of tensors created before the call (the inputs).
+The live set is sampled after each op's outputs exist, which is when usage peaks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class MemoryReport(NamedTuple):
+    peak_bytes: int  # the largest total of live new storages seen after any op
+    final_bytes: int  # live new storages when the function returned (its outputs, if kept)
+    allocations: int  # how many new storages were seen
+    largest_allocation: int  # bytes of the biggest single new storage
+    result: Any  # what the function returned
+
+
+class _Tracker(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.live: dict[StorageWeakRef, int] = {}
+        self.current = 0
+        self.peak = 0
+        self.allocations = 0
+        self.largest = 0
+
+    def _refresh(self) -> None:
+        dead = [ref for ref in self.live if ref.expired()]
+        for ref in dead:
+            self.current -= self.live.pop(ref)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat_in, _ = tree_flatten((args, kwargs))
+        before = {StorageWeakRef(t.untyped_storage()) for t in flat_in if isinstance(t, torch.Tensor)}
+        out = func(*args, **kwargs)
+        self._refresh()
+        flat_out, _ = tree_flatten(out)
+        for t in flat_out:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            ref = StorageWeakRef(storage)
+            if ref in before or ref in self.live:
+                continue
+            nbytes = int(storage.nbytes())
+            self.live[ref] = nbytes
+            self.current += nbytes
+            self.allocations += 1
+            self.largest = max(self.largest, nbytes)
+        self.peak = max(self.peak, self.current)
+        return out
+
+
+def peak_tensor_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport:
+    """Run ``fn(*args, **kwargs)`` and report the peak bytes of tensors it allocated."""
+    tracker = _Tracker()
+    with tracker:
+        result = fn(*args, **kwargs)
+    tracker._refresh()
+    return MemoryReport(tracker.peak, tracker.current, tracker.allocations, tracker.largest, result)
