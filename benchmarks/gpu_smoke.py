@@ -1,9 +1,9 @@
 """Quick end-to-end check on a GPU: every path of dora_linear against the fp64 oracle."""
 
 import torch
+from doracheck.reference import dora_forward_ref, norm_terms_ref, rel_l2
 
 import doracheck
-from doracheck.reference import dora_forward_ref, norm_terms_ref, rel_l2
 
 torch.manual_seed(0)
 dev = "cuda"

@@ -28,11 +28,10 @@ def _pow2_at_least(n: int, lo: int, hi: int) -> int:
     return p
 
 
-class NormConfig(NamedTuple):
+class RowdotConfig(NamedTuple):
     block_m: int
     block_n: int
     block_k: int
-    block_r: int
     num_warps: int
     num_stages: int
 
@@ -40,7 +39,7 @@ class NormConfig(NamedTuple):
 class GramConfig(NamedTuple):
     block_i: int
     block_k: int
-    max_split: int
+    splits: int
     num_warps: int
     num_stages: int
 
@@ -60,17 +59,28 @@ class GradConfig(NamedTuple):
     num_warps: int
 
 
-def norm_config(d_out: int, d_in: int, r: int, weight_dtype) -> NormConfig:
+def rowdot_config(M: int, N: int, K: int, x_dtype, split_lo: int) -> RowdotConfig:
+    """Tiles of the norm GEMMs (X·Yᵀ with a row-reduction epilogue).
+
+    H200, M = K = 8192, N = 384, bf16 (benchmarks/norm_variants.py, 2026-11-29): 128×256×64,
+    8 warps, 3 stages: 104.6 µs (493 TFLOP/s); 128×128×64: 112.2 µs; 128×64×64 (4 warps):
+    150.1 µs; 64×256×64 (4 warps): 166.0 µs; BLOCK_K = 128: 132.0 µs.
+    """
     if _interpreting():
-        return NormConfig(16, 16, 16, 16, 1, 1)
-    block_n = _pow2_at_least(r, 16, 128)
-    return NormConfig(128, block_n, 64, 32, 8, 3)
+        return RowdotConfig(16, 16, 16, 1, 1)
+    block_n = _pow2_at_least(N, 16, 256)
+    stages = 3 if (block_n >= 256 or split_lo > 1 or x_dtype.itemsize == 4) else 4
+    block_k = 32 if x_dtype.itemsize == 4 else 64
+    return RowdotConfig(128, block_n, block_k, 8, stages)
 
 
 def gram_config(r: int, d_in: int) -> GramConfig:
+    """G = A·Aᵀ: M = N = r, long K = d_in, so split K to fill the SMs (partials summed after)."""
     if _interpreting():
-        return GramConfig(16, 16, 4, 1, 1)
-    return GramConfig(64, 64, 32, 4, 3)
+        return GramConfig(16, 16, 3, 1, 1)
+    tiles = -(-r // 128) ** 2
+    splits = max(1, min(64, 132 // max(tiles, 1), -(-d_in // 512)))
+    return GramConfig(128, 64, splits, 8, 3)
 
 
 def compose_config(T: int, d_out: int, r: int) -> ComposeConfig:

@@ -17,7 +17,14 @@ from .metrics import (
     ulp_of,
 )
 from .oracle_fp64 import EPS, NormTermsRef, dora_forward_ref, magnitude_scale_ref, norm_terms_ref
-from .oracle_mpmath import MpNormTerms, mp_compose, mp_dora_forward, mp_magnitude_scale, mp_norm_terms, precision
+from .oracle_mpmath import (
+    MpNormTerms,
+    mp_compose,
+    mp_dora_forward,
+    mp_magnitude_scale,
+    mp_norm_terms,
+    precision,
+)
 
 __all__ = [
     "EPS",

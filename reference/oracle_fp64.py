@@ -23,11 +23,10 @@ import torch
 from .accurate_sum import (
     CompensatedSum,
     accurate_sum_last_dim,
-    product_terms,
     divide_double_double,
+    product_terms,
     sqrt_double_double,
     square_terms,
-    two_prod,
 )
 
 EPS = 1e-12

@@ -20,8 +20,6 @@ import math
 
 import pytest
 import torch
-
-import doracheck
 from doracheck.reference import (
     UNIT_ROUNDOFF,
     dot_error_bound,
@@ -33,6 +31,8 @@ from doracheck.reference import (
     ulp_distance,
     ulp_error,
 )
+
+import doracheck
 
 F64 = torch.float64
 LOW_DTYPES = (torch.float16, torch.bfloat16)
@@ -58,7 +58,9 @@ def _from_bits(bits: list[int], dtype: torch.dtype) -> torch.Tensor:
 
 # Per dtype: (smallest positive subnormal, largest finite, +inf, +1.0, the float just below 1.0) as bits.
 BITS = {
-    torch.float32: dict(tiny=0x0000_0001, max=0x7F7F_FFFF, inf=0x7F80_0000, one=0x3F80_0000, below_one=0x3F7F_FFFF),
+    torch.float32: dict(
+        tiny=0x0000_0001, max=0x7F7F_FFFF, inf=0x7F80_0000, one=0x3F80_0000, below_one=0x3F7F_FFFF
+    ),
     torch.float16: dict(tiny=0x0001, max=0x7BFF, inf=0x7C00, one=0x3C00, below_one=0x3BFF),
     torch.bfloat16: dict(tiny=0x0001, max=0x7F7F, inf=0x7F80, one=0x3F80, below_one=0x3F7F),
 }
@@ -167,7 +169,8 @@ def test_ulp_distance_broadcasts_and_returns_float64():
 
 
 @pytest.mark.parametrize(
-    "da, db", [(torch.float32, torch.float16), (torch.float16, torch.bfloat16), (torch.float32, torch.float64)]
+    "da, db",
+    [(torch.float32, torch.float16), (torch.float16, torch.bfloat16), (torch.float32, torch.float64)],
 )
 def test_ulp_distance_rejects_mixed_dtypes(da, db):
     with pytest.raises(ValueError, match="dtype"):
@@ -212,7 +215,9 @@ def test_ulp_error_finite_result_for_infinite_exact_is_inf(dtype):
     act = torch.tensor([3.0, -3.0, 0.0], dtype=dtype)
     exact = torch.tensor([INF, -INF, INF], dtype=F64)
     err = ulp_error(act, exact)
-    assert not bool(torch.isnan(err).any()), f"ulp_error gave NaN for a finite vs infinite value: {err.tolist()}"
+    assert not bool(torch.isnan(err).any()), (
+        f"ulp_error gave NaN for a finite vs infinite value: {err.tolist()}"
+    )
     assert err.tolist() == [INF, INF, INF]
 
 
@@ -261,7 +266,9 @@ def test_dot_error_bound_holds_for_fp32_matmul(seed, K):
     # Mixed magnitudes and a row that cancels: the bound is relative to |a|·|b|, not to |a·b|.
     a[0] = a[1]
     b[:, 0] = -b[:, 1]
-    exact = a.to(F64) @ b.to(F64)  # K·24-bit products: fp64 error ~1e-16 relative to |a|·|b|, far below the bound
+    exact = a.to(F64) @ b.to(
+        F64
+    )  # K·24-bit products: fp64 error ~1e-16 relative to |a|·|b|, far below the bound
     err = ((a @ b).to(F64) - exact).abs()
     bound = dot_error_bound(a, b)
     assert bound.shape == exact.shape and bound.dtype == F64
@@ -301,6 +308,7 @@ def test_naive_bf16_compose_loses_magnitude_near_one_stable_compose_does_not(see
     # fp32 math then one rounding: 0.5 ulp plus a few fp32 roundings (~2**-16 bf16 ulps); 1e-3 is ample.
     assert stable_err <= 0.5 + 1e-3, f"stable compose: max ulp error {stable_err}"
     assert naive_err > 0.5, f"naive compose unexpectedly within 0.5 ulp (max {naive_err})"
+
     # And the magnitude is visibly lost: the naive result is shrunk toward zero by about
     # 1e-3 relative (g dropped), a bias, not just rounding noise.
     def shrink(y):
