@@ -24,13 +24,20 @@ Backward, dz = g⊙dy:
 With ``detach_norm=False`` and c_i = (∂L/∂n_i)/n_i = -S_i·m_i/n_i³ (S = Σ_t dy⊙z_d):
     dB += s·diag(c)·(U + s·B·G)        dA += s·Bᵀ·diag(c)·W + s²·(Bᵀ·diag(c)·B)·A
 No dense B·A is formed for the adapter gradients; dW is dense by nature.
+
+The backward runs over token chunks when dz (T×d_out) would be large (settings
+``backward_token_chunk``): dx is written chunk by chunk, dA, dB, dm accumulate in fp32.
+Rows with n < eps (g = m/eps, up to 1e12) get dz saturated at the dtype's largest finite
+value instead of inf, so zero rows of W and B contribute 0 rather than inf·0 = NaN (fp16).
+Without autograd (no_grad, or nothing requires grad) the forward runs without an
+autograd.Function and saves nothing.
 """
 
 from __future__ import annotations
 
 import torch
 
-from doracheck.kernels.settings import NORM_CHUNK_BYTES
+from doracheck.kernels.settings import NORM_CHUNK_BYTES, backward_token_chunk
 
 from . import norm_cache
 from .dispatch import choose_path, factored_norm_full
@@ -72,143 +79,187 @@ def _use_triton(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
     return choose_path(x.device).name == "triton"
 
 
+def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p, detach_norm, fan_in_fan_out):
+    """y and what the backward needs: (y2d, saved dict)."""
+    from doracheck.kernels import ops
+
+    cd = x.dtype
+    d_in = x.shape[-1]
+    x2 = x.reshape(-1, d_in)
+    W = _rows(weight, fan_in_fan_out)
+    W = W if W.dtype == cd else W.to(cd)
+    A = lora_A if lora_A.dtype == cd else lora_A.to(cd)
+    triton_path = _use_triton(x, weight, lora_A, lora_B, magnitude, bias)
+    fn = _norm(weight, lora_A, lora_B, s, fan_in_fan_out, detach_norm)
+    n = fn.norm
+    g = magnitude.to(n.dtype) / torch.clamp_min(n, EPS)
+
+    keep = None
+    x_d = x2
+    if keep_mask is not None:
+        keep = keep_mask.expand(x.shape).reshape(-1, d_in)
+        x_d = x2 * keep.to(cd) / (1.0 - dropout_p)
+    base = x2 @ W.t()
+    xa = x_d @ A.t()
+    from_output = False
+    if triton_path:
+        if keep is None:
+            ops.call("lora_up_compose_", base, xa, lora_B, g, bias, s)
+            y = saved_h = base
+            from_output = True
+        else:
+            y, saved_h = ops.call("lora_up_compose_dropout", base, x_d @ W.t(), xa, lora_B, g, bias, s)
+    else:
+        acc = n.dtype
+        B = lora_B if lora_B.dtype == cd else lora_B.to(cd)
+        lora = (xa @ B.t()).to(acc)
+        base_d = base.to(acc) if keep is None else (x_d @ W.t()).to(acc)
+        y = base.to(acc) + (g - 1.0) * base_d + (g * s) * lora
+        if bias is not None:
+            y = y + bias.to(acc)
+        y = y.to(cd)
+        saved_h = (base_d + s * lora).to(cd)
+    saved = {
+        "x2": x2, "keep": keep, "xa": xa, "saved_h": saved_h, "g": g, "n": n, "U": fn.U, "G": fn.G,
+        "triton_path": triton_path, "from_output": from_output,
+    }
+    return y, saved
+
+
+def _scaled_grad_chunk(dy_c, h_c, g, n, bias, *, triton_path, from_output, cd):
+    """(dz_c, Σ_t dy⊙z over the chunk) for one token chunk (see module docstring)."""
+    from doracheck.kernels import ops
+
+    if triton_path:
+        dz, dm_sum = ops.call("grad_scale_dm", dy_c, h_c, g, n, bias, from_output)
+        if from_output:
+            # dm_sum = Σ dy⊙(g⊙z): divide by g. Where g = 0, z is gone: 0 for a zero row
+            # (n < eps, z = 0 exactly), NaN otherwise (see module docstring).
+            safe_g = torch.where(g == 0, torch.ones_like(g), g)
+            lost = torch.where(n < EPS, torch.zeros_like(n), torch.full_like(n, float("nan")))
+            dm_sum = torch.where(g == 0, lost, dm_sum / safe_g)
+        return dz, dm_sum
+    acc = n.dtype
+    dy_acc = dy_c.to(acc)
+    dz = dy_acc * g
+    limit = torch.finfo(cd).max
+    dz = torch.where((n < EPS) & (dz.abs() > limit), torch.sign(dz) * limit, dz).to(cd)
+    return dz, (dy_acc * h_c.to(acc)).sum(0)
+
+
+def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout_p, detach_norm, fan_in_fan_out, lead, need):
+    x2, keep, xa, saved_h, g, n = (ctx_saved[k] for k in ("x2", "keep", "xa", "saved_h", "g", "n"))
+    cd = x2.dtype
+    d_out = g.shape[0]
+    d_in = x2.shape[1]
+    acc = n.dtype  # accumulation dtype: fp32, or fp64 for fp64 inputs
+    dy2 = dy.reshape(-1, d_out)
+    dy2 = (dy2 if dy2.dtype == cd else dy2.to(cd)).contiguous()
+    T = dy2.shape[0]
+    W = _rows(weight, fan_in_fan_out)
+    W = W if W.dtype == cd else W.to(cd)
+    A = lora_A if lora_A.dtype == cd else lora_A.to(cd)
+    B = lora_B if lora_B.dtype == cd else lora_B.to(cd)
+    n_safe = torch.clamp_min(n, EPS)
+    r = A.shape[0]
+
+    dx2 = torch.empty(T, d_in, dtype=cd, device=x2.device) if need[0] else None
+    dB_acc = torch.zeros(d_out, r, dtype=acc, device=x2.device) if need[3] else None
+    dA_acc = torch.zeros(r, d_in, dtype=acc, device=x2.device) if need[2] else None
+    dW_rows = torch.zeros(d_out, d_in, dtype=acc, device=x2.device) if need[1] else None
+    dm_sum = torch.zeros(d_out, dtype=acc, device=x2.device)
+    step = backward_token_chunk(T, d_out, dy2.element_size())
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        dy_c = dy2[t0:t1]
+        x_c = x2[t0:t1]
+        keep_c = None if keep is None else keep[t0:t1].to(cd) / (1.0 - dropout_p)
+        x_d_c = x_c if keep_c is None else x_c * keep_c
+        dz, dm_c = _scaled_grad_chunk(
+            dy_c, saved_h[t0:t1], g, n, bias, triton_path=ctx_saved["triton_path"], from_output=ctx_saved["from_output"], cd=cd
+        )
+        dm_sum += dm_c
+        dzB = dz @ B  # (t, r)
+        if dx2 is not None:
+            out = dx2[t0:t1]
+            if keep_c is None:
+                torch.mm(dz, W, out=out)
+                out.addmm_(dzB, A, alpha=s)
+            else:
+                gm1_dy = (dy_c.to(acc) * (g - 1.0)).to(cd)
+                dropped = torch.addmm(gm1_dy @ W, dzB, A, alpha=s) * keep_c
+                torch.mm(dy_c, W, out=out)
+                out += dropped
+        if dB_acc is not None:
+            dB_acc += (dz.t() @ xa[t0:t1]).to(acc)
+        if dA_acc is not None:
+            dA_acc += (dzB.t() @ x_d_c).to(acc)
+        if dW_rows is not None:
+            if keep_c is None:
+                dW_rows += dz.to(acc).t() @ x_c.to(acc)
+            else:
+                dW_rows += dy_c.to(acc).t() @ x_c.to(acc) + (dy_c.to(acc) * (g - 1.0)).t() @ x_d_c.to(acc)
+
+    dx = dx2.reshape(*lead, d_in) if dx2 is not None else None
+    dB = s * dB_acc if dB_acc is not None else None
+    dA = s * dA_acc if dA_acc is not None else None
+    dm = (dm_sum / n_safe).to(magnitude.dtype) if need[4] else None
+    db = dy2.to(acc).sum(0).to(bias.dtype) if (need[5] and bias is not None) else None
+
+    if not detach_norm:
+        # c_i = (∂L/∂n_i)/n_i with ∂L/∂n_i = -S_i·m_i/n_i² where n_i > eps (g is flat in n below eps).
+        U, G = ctx_saved["U"], ctx_saved["G"]
+        m_acc = magnitude.to(acc)
+        c = torch.where(n > EPS, -dm_sum * m_acc / (n_safe * n_safe * n_safe), torch.zeros_like(n))
+        B_acc = lora_B.to(acc)
+        if dB is not None:
+            dB = dB + s * c[:, None] * (U + s * (B_acc @ G))
+        if dA is not None:
+            BcW = _bt_diag_w(B_acc * c[:, None], weight, fan_in_fan_out)  # Bᵀ·diag(c)·W, (r, d_in)
+            BcB = B_acc.t() @ (c[:, None] * B_acc)
+            dA = dA + s * BcW + (s * s) * (BcB @ lora_A.to(acc))
+        if dW_rows is not None:
+            V = _rows(weight, fan_in_fan_out).to(acc) + s * (lora_B.to(acc) @ lora_A.to(acc))
+            dW_rows = dW_rows + c[:, None] * V
+    dW = None
+    if dW_rows is not None:
+        dW = (dW_rows.t() if fan_in_fan_out else dW_rows).to(weight.dtype)
+    if dA is not None:
+        dA = dA.to(lora_A.dtype)
+    if dB is not None:
+        dB = dB.to(lora_B.dtype)
+    return dx, dW, dA, dB, dm, db
+
+
 class DoRALinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, lora_A, lora_B, magnitude, bias, scaling, keep_mask, dropout_p, detach_norm, fan_in_fan_out):
-        cd = x.dtype
-        s = float(scaling)
-        d_in = x.shape[-1]
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, d_in)
-        W = _rows(weight, fan_in_fan_out)
-        W = W if W.dtype == cd else W.to(cd)
-        A = lora_A if lora_A.dtype == cd else lora_A.to(cd)
-        triton_path = _use_triton(x, weight, lora_A, lora_B, magnitude, bias)
-        fn = _norm(weight, lora_A, lora_B, s, fan_in_fan_out, detach_norm)
-        n = fn.norm
-        g = magnitude.to(n.dtype) / torch.clamp_min(n, EPS)
-
-        keep = None
-        x_d = x2
-        if keep_mask is not None:
-            keep = keep_mask.expand(x.shape).reshape(-1, d_in)
-            x_d = x2 * keep.to(cd) / (1.0 - dropout_p)
-        base = x2 @ W.t()
-        xa = x_d @ A.t()
-        saved_h, from_output = None, False
-        if triton_path:
-            if keep is None:
-                torch.ops.doracheck.lora_up_compose_(base, xa, lora_B, g, bias, s)
-                y = base
-                saved_h, from_output = y, True
-            else:
-                y, saved_h = torch.ops.doracheck.lora_up_compose_dropout(base, x_d @ W.t(), xa, lora_B, g, bias, s)
-        else:
-            acc = n.dtype
-            B = lora_B if lora_B.dtype == cd else lora_B.to(cd)
-            lora = (xa @ B.t()).to(acc)
-            base_d = base.to(acc) if keep is None else (x_d @ W.t()).to(acc)
-            y = base.to(acc) + (g - 1.0) * base_d + (g * s) * lora
-            if bias is not None:
-                y = y + bias.to(acc)
-            y = y.to(cd)
-            saved_h = (base_d + s * lora).to(cd)
-
-        ctx.save_for_backward(x2, keep, xa, saved_h, g, n, weight, lora_A, lora_B, magnitude, bias, fn.U, fn.G)
-        ctx.scaling = s
-        ctx.dropout_p = dropout_p
-        ctx.detach_norm = detach_norm
-        ctx.fan_in_fan_out = fan_in_fan_out
-        ctx.from_output = from_output
-        ctx.triton_path = triton_path
-        ctx.lead = lead
-        return y.reshape(*lead, y.shape[-1])
+        y, saved = _forward(x, weight, lora_A, lora_B, magnitude, bias, float(scaling), keep_mask, dropout_p, detach_norm, fan_in_fan_out)
+        tensors = [saved[k] for k in ("x2", "keep", "xa", "saved_h", "g", "n", "U", "G")]
+        ctx.save_for_backward(*tensors, weight, lora_A, lora_B, magnitude, bias)
+        ctx.flags = (saved["triton_path"], saved["from_output"])
+        ctx.args = (float(scaling), dropout_p, detach_norm, fan_in_fan_out, x.shape[:-1])
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        x2, keep, xa, saved_h, g, n, weight, lora_A, lora_B, magnitude, bias, U, G = ctx.saved_tensors
-        s = ctx.scaling
-        fan = ctx.fan_in_fan_out
-        cd = x2.dtype
-        d_out = g.shape[0]
-        acc = n.dtype  # accumulation dtype: fp32, or fp64 for fp64 inputs
-        dy2 = dy.reshape(-1, d_out)
-        dy2 = dy2 if dy2.dtype == cd else dy2.to(cd)
-        W = _rows(weight, fan)
-        W = W if W.dtype == cd else W.to(cd)
-        A = lora_A if lora_A.dtype == cd else lora_A.to(cd)
-        B = lora_B if lora_B.dtype == cd else lora_B.to(cd)
-        x_d = x2 if keep is None else x2 * keep.to(cd) / (1.0 - ctx.dropout_p)
-        n_safe = torch.clamp_min(n, EPS)
-
-        if ctx.triton_path:
-            dz, dm_sum = torch.ops.doracheck.grad_scale_dm(dy2.contiguous(), saved_h, g, bias, ctx.from_output)
-            if ctx.from_output:
-                # dm_sum = Σ dy⊙(g⊙z): divide by g·max(n, eps) (= m). Where g = 0 z is gone:
-                # 0 for a zero row (n < eps, z = 0 exactly), NaN otherwise (see module docstring).
-                denom = g * n_safe
-                recovered = dm_sum / torch.where(denom == 0, torch.ones_like(denom), denom)
-                lost = torch.where(n < EPS, torch.zeros_like(n), torch.full_like(n, float("nan")))
-                dm_sum_z = torch.where(g == 0, lost * n_safe, recovered * n_safe)
-            else:
-                dm_sum_z = dm_sum
-        else:
-            dy_acc = dy2.to(acc)
-            dz = (dy_acc * g).to(cd)
-            dm_sum_z = (dy_acc * saved_h.to(acc)).sum(0)
-
-        need = ctx.needs_input_grad
-        dx = dW = dA = dB = dm = db = None
-        dzB = dz @ B  # (T, r)
-        if need[0]:
-            if keep is None:
-                dx2 = torch.addmm(dz @ W, dzB, A, alpha=s)
-            else:
-                gm1_dy = (dy2.to(acc) * (g - 1.0)).to(cd)
-                dropped = torch.addmm(gm1_dy @ W, dzB, A, alpha=s) * keep.to(cd) / (1.0 - ctx.dropout_p)
-                dx2 = dy2 @ W + dropped
-            dx = dx2.reshape(*ctx.lead, W.shape[1])
-        if need[3]:
-            dB = s * (dz.t() @ xa)
-        if need[2]:
-            dA = s * (dzB.t() @ x_d)
-        if need[4]:
-            dm = (dm_sum_z / n_safe).to(magnitude.dtype)
-        if need[5] and bias is not None:
-            db = dy2.to(acc).sum(0).to(bias.dtype)
-
-        if not ctx.detach_norm:
-            # c_i = (∂L/∂n_i)/n_i with ∂L/∂n_i = -S_i·m_i/n_i² where n_i > eps (g is flat in n below eps).
-            m_acc = magnitude.to(acc)
-            c = torch.where(n > EPS, -dm_sum_z * m_acc / (n_safe * n_safe * n_safe), torch.zeros_like(n))
-            B_acc = lora_B.to(acc)
-            if need[3]:
-                dB = dB.to(acc) + s * c[:, None] * (U + s * (B_acc @ G))
-            if need[2]:
-                BcW = _bt_diag_w(B_acc * c[:, None], weight, fan)  # Bᵀ·diag(c)·W, (r, d_in)
-                BcB = B_acc.t() @ (c[:, None] * B_acc)
-                dA = dA.to(acc) + s * BcW + (s * s) * (BcB @ lora_A.to(acc))
-        if need[1]:
-            if keep is None:
-                dW_rows = dz.to(acc).t() @ x2.to(acc)
-            else:
-                gm1_dy_acc = dy2.to(acc) * (g - 1.0)
-                dW_rows = dy2.to(acc).t() @ x2.to(acc) + gm1_dy_acc.t() @ x_d.to(acc)
-            if not ctx.detach_norm:
-                V = _rows(weight, fan).to(acc) + s * (lora_B.to(acc) @ lora_A.to(acc))
-                dW_rows = dW_rows + c[:, None] * V
-            dW = (dW_rows.t() if fan else dW_rows).to(weight.dtype)
-        if dA is not None:
-            dA = dA.to(lora_A.dtype)
-        if dB is not None:
-            dB = dB.to(lora_B.dtype)
-        return dx, dW, dA, dB, dm, db, None, None, None, None, None
+        x2, keep, xa, saved_h, g, n, U, G, weight, lora_A, lora_B, magnitude, bias = ctx.saved_tensors
+        saved = {"x2": x2, "keep": keep, "xa": xa, "saved_h": saved_h, "g": g, "n": n, "U": U, "G": G}
+        saved["triton_path"], saved["from_output"] = ctx.flags
+        s, dropout_p, detach_norm, fan_in_fan_out, lead = ctx.args
+        grads = _backward(
+            saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout_p, detach_norm, fan_in_fan_out, lead, ctx.needs_input_grad
+        )
+        return (*grads, None, None, None, None, None)
 
 
 def dora_linear_autograd(x, weight, lora_A, lora_B, magnitude, scaling, bias, keep_mask, dropout_p, detach_norm, fan_in_fan_out):
-    """Apply ``DoRALinearFunction`` (arguments already validated)."""
-    if _use_triton(x, weight, lora_A, lora_B, magnitude, bias):
-        from doracheck.kernels import ops  # noqa: F401  (registers torch.ops.doracheck)
+    """Apply ``DoRALinearFunction`` (arguments already validated); without autograd, the
+    forward alone."""
+    tensors = (x, weight, lora_A, lora_B, magnitude, bias)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
+        y, _ = _forward(x, weight, lora_A, lora_B, magnitude, bias, float(scaling), keep_mask, dropout_p, detach_norm, fan_in_fan_out)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     return DoRALinearFunction.apply(
         x, weight, lora_A, lora_B, magnitude, bias, scaling, keep_mask, dropout_p, detach_norm, fan_in_fan_out
     )

@@ -108,9 +108,9 @@ def factored_norm_full(weight, lora_A, lora_B, scaling, *, fan_in_fan_out=False,
     fp64 = any(t.dtype == torch.float64 for t in (weight, lora_A, lora_B))
     if need_factors or fp64 or choose_path(weight.device).name == "torch":
         return factored_norm_torch(weight, lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out)
-    from doracheck.kernels import ops  # noqa: F401  (registers torch.ops.doracheck)
+    from doracheck.kernels import ops
 
-    base, cross, lora, norm = torch.ops.doracheck.factored_norm(weight, lora_A, lora_B, float(scaling), fan_in_fan_out)
+    base, cross, lora, norm = ops.call("factored_norm", weight, lora_A, lora_B, float(scaling), fan_in_fan_out)
     return FactoredNorm(base, cross, lora, norm, None, None)
 
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from .settings import compose_config, grad_config
-from .triton_common import dot_acc, interpreting, round_to
+from .triton_common import dot_acc, interpreting, launcher, round_to
 
+EPS = 1e-12
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -86,12 +86,17 @@ def _grad_scale_dm_kernel(
     part_ptr, stride_pb,  # out: (n_token_blocks, d_out) fp32 partials of Σ_t dy⊙h
     dy_ptr, stride_gt, stride_gd,  # dy (T, d_out)
     h_ptr, stride_ht, stride_hd,  # saved y (FROM_OUTPUT) or z (T, d_out)
-    g_ptr, bias_ptr,
-    T, d_out,
-    FROM_OUTPUT: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
+    g_ptr, n_ptr, bias_ptr,
+    T, d_out, eps,
+    FROM_OUTPUT: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr, MAX_OUT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """dz = g⊙dy; partial[tb, i] = Σ_{t in block tb} dy_ti·h_ti with h = y - b (= g·z) or z."""
+    """dz = g⊙dy; partial[tb, i] = Σ_{t in block tb} dy_ti·h_ti with h = y - b (= g·z) or z.
+
+    Rows with n < eps have g = m/eps (up to 1e12): there dz saturates at ±MAX_OUT (the output
+    dtype's largest finite value) instead of overflowing to inf, so that the zero rows of W
+    and B that multiply it give 0, not inf·0 = NaN. NaN in dy still propagates.
+    """
     pid_t = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1).to(tl.int64)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -99,11 +104,14 @@ def _grad_scale_dm_kernel(
     col_ok = cols < d_out
     mask = (rows < T)[:, None] & col_ok[None, :]
     g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tiny = (tl.load(n_ptr + cols, mask=col_ok, other=1.0) < eps)[None, :]
     dy = tl.load(dy_ptr + rows[:, None] * stride_gt + cols[None, :] * stride_gd, mask=mask, other=0.0).to(tl.float32)
     h = tl.load(h_ptr + rows[:, None] * stride_ht + cols[None, :] * stride_hd, mask=mask, other=0.0).to(tl.float32)
     if FROM_OUTPUT and HAS_BIAS:
         h -= tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(dz_ptr + rows[:, None] * stride_zt + cols[None, :] * stride_zd, round_to(dy * g, dz_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    dz = dy * g
+    dz = tl.where(tiny & (dz > MAX_OUT), MAX_OUT, tl.where(tiny & (dz < -MAX_OUT), -MAX_OUT, dz))
+    tl.store(dz_ptr + rows[:, None] * stride_zt + cols[None, :] * stride_zd, round_to(dz, dz_ptr.dtype.element_ty, INTERPRET), mask=mask)
     tl.store(part_ptr + pid_t * stride_pb + cols, tl.sum(tl.where(mask, dy * h, 0.0), axis=0), mask=col_ok)
 
 
@@ -130,7 +138,7 @@ def lora_up_compose_triton(
     grid = (triton.cdiv(T, cfg.block_m) * triton.cdiv(d_out, cfg.block_n),)
     bd = base_dropped if base_dropped is not None else base
     z = z_out if z_out is not None else y
-    wrap_triton(_lora_up_compose_kernel)[grid](
+    launcher(_lora_up_compose_kernel)[grid](
         y, y.stride(0), y.stride(1),
         z, z.stride(0), z.stride(1),
         base, base.stride(0), base.stride(1),
@@ -148,9 +156,10 @@ def lora_up_compose_triton(
 
 
 def grad_scale_dm_triton(
-    dy: torch.Tensor, saved: torch.Tensor, g: torch.Tensor, bias: torch.Tensor | None, *, from_output: bool
+    dy: torch.Tensor, saved: torch.Tensor, g: torch.Tensor, n: torch.Tensor, bias: torch.Tensor | None, *, from_output: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dz, S): dz = g⊙dy in dy.dtype; S = Σ_t dy⊙(y - b) if ``from_output`` else Σ_t dy⊙z (fp32)."""
+    """(dz, S): dz = g⊙dy in dy.dtype (saturated where n < eps); S = Σ_t dy⊙(y - b) if
+    ``from_output`` else Σ_t dy⊙z (fp32)."""
     T, d_out = dy.shape
     dz = torch.empty_like(dy)
     cfg = grad_config(T, d_out)
@@ -159,14 +168,15 @@ def grad_scale_dm_triton(
         return dz, torch.zeros(d_out, dtype=torch.float32, device=dy.device)
     part = torch.empty(n_tb, d_out, dtype=torch.float32, device=dy.device)
     grid = (n_tb, triton.cdiv(d_out, cfg.block_d))
-    wrap_triton(_grad_scale_dm_kernel)[grid](
+    launcher(_grad_scale_dm_kernel)[grid](
         dz, dz.stride(0), dz.stride(1),
         part, part.stride(0),
         dy, dy.stride(0), dy.stride(1),
         saved, saved.stride(0), saved.stride(1),
-        g, bias if bias is not None else g,
-        T, d_out,
+        g, n, bias if bias is not None else g,
+        T, d_out, EPS,
         FROM_OUTPUT=from_output, HAS_BIAS=bias is not None and from_output, INTERPRET=interpreting(),
+        MAX_OUT=torch.finfo(dy.dtype).max,
         BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d,
         num_warps=cfg.num_warps,
     )

@@ -30,11 +30,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from .norm_torch import FactoredNorm, combine_terms
 from .settings import gram_config, rowdot_config
-from .triton_common import dot_acc, interpreting
+from .triton_common import dot_acc, interpreting, launcher
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -145,7 +144,7 @@ def gram_triton(lora_A: torch.Tensor) -> torch.Tensor:
     if d_in == 0:
         return part.zero_()[0]
     grid = (triton.cdiv(r, cfg.block_i), triton.cdiv(r, cfg.block_i), splits)
-    wrap_triton(_gram_kernel)[grid](
+    launcher(_gram_kernel)[grid](
         part, part.stride(0), part.stride(1), part.stride(2),
         lora_A, lora_A.stride(0), lora_A.stride(1),
         r, d_in, k_per_split,
@@ -169,7 +168,7 @@ def rowdot_triton(
     sq = torch.zeros(M, dtype=torch.float32, device=X.device) if compute_base else None
     if M > 0 and N > 0:
         grid = (triton.cdiv(M, cfg.block_m), n_tiles)
-        wrap_triton(_rowdot_kernel)[grid](
+        launcher(_rowdot_kernel)[grid](
             part, part.stride(0), sq if sq is not None else part,
             X, x_strides[0], x_strides[1],
             Y, Y.stride(0), Y.stride(1),

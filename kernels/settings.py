@@ -94,3 +94,17 @@ def grad_config(T: int, d_out: int) -> GradConfig:
     if _interpreting():
         return GradConfig(16, 16, 1)
     return GradConfig(64, 256, 8)
+
+
+# Backward: dz = g⊙dy is materialised a token chunk at a time when the whole of it would
+# exceed this many bytes, so the training peak stays near plain nn.Linear's (y + dx).
+# H200, 8192×8192, r = 384, T = 4096, bf16 (benchmarks/bench_layer.py, 2026-11-29): without
+# chunking and with an out-of-place addmm the fwd+bwd peak was 262 MiB above resident against
+# nn.Linear's 128 MiB.
+BACKWARD_CHUNK_BYTES = 16 * 1024 * 1024
+
+
+def backward_token_chunk(T: int, d_out: int, itemsize: int) -> int:
+    """Tokens per backward chunk (T itself when dz is small)."""
+    per_token = max(d_out * itemsize, 1)
+    return max(1, min(T, BACKWARD_CHUNK_BYTES // per_token)) if T * per_token > BACKWARD_CHUNK_BYTES else max(T, 1)

@@ -63,7 +63,7 @@ def ulp_error(actual: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     err = (act - ref).abs() / ulp_of(ref, actual.dtype)
     same_special = (torch.isnan(act) & torch.isnan(ref)) | (torch.isinf(ref) & (act == ref))
     err = torch.where(same_special, torch.zeros_like(err), err)
-    bad = (torch.isnan(act) ^ torch.isnan(ref)) | (torch.isinf(act) & (act != ref))
+    bad = (torch.isnan(act) ^ torch.isnan(ref)) | ((torch.isinf(act) | torch.isinf(ref)) & (act != ref))
     return torch.where(bad, torch.full_like(err, NAN_DISTANCE), err)
 
 
