@@ -20,7 +20,9 @@ class PathChoice(NamedTuple):
     reason: str
 
 
+@functools.lru_cache(maxsize=1)
 def triton_available() -> bool:
+    """Whether triton can be imported (looked up once: a find_spec per call costs tens of µs)."""
     return importlib.util.find_spec("triton") is not None
 
 

@@ -86,14 +86,20 @@ def gram_config(r: int, d_in: int) -> GramConfig:
 def compose_config(T: int, d_out: int, r: int) -> ComposeConfig:
     if _interpreting():
         return ComposeConfig(16, 16, 16, 4, 1, 1)
+    # H200, T = 4096, d_out = 8192, r = 384, bf16 (benchmarks/kernel_timing.py, 2026-11-29):
+    # 64×128×64, 4 warps, 3 stages: 90.3 µs; 128×64×64: 96.2; 128×256×64 (8 warps): 107.8;
+    # 128×128×64 (8 warps): 129.5; 128×128×32: 156.8. T = 1: 12.0 µs.
     block_k = _pow2_at_least(r, 16, 64)
-    return ComposeConfig(128, 128, block_k, 8, 8, 3)
+    return ComposeConfig(64, 128, block_k, 8, 4, 3)
 
 
 def grad_config(T: int, d_out: int) -> GradConfig:
     if _interpreting():
         return GradConfig(16, 16, 1)
-    return GradConfig(64, 256, 8)
+    # H200, T = 4096, d_out = 8192, bf16 (benchmarks/kernel_timing.py, 2026-11-29): 64×128,
+    # 8 warps: 79.9 µs (2.52 TB/s of 4.25 measured copy); 32×256 (4 warps): 86.0; 8×1024: 88.2;
+    # 128×256: 97.6; 64×256: 106.4.
+    return GradConfig(64, 128, 8)
 
 
 # Backward: dz = g⊙dy is materialised a token chunk at a time when the whole of it would

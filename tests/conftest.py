@@ -1,0 +1,41 @@
+"""Test configuration shared by every test module.
+
+- Without CUDA, Triton kernels run under the interpreter: TRITON_INTERPRET must be set before
+  triton.jit decorates the kernels, so it is set here, at collection time.
+- With several GPUs, pytest-xdist worker gwN is pinned to GPU N mod count.
+- hypothesis profiles: "ci" (derandomized, bounded, no deadline; the default) and "long".
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+elif torch.cuda.device_count() > 1:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        torch.cuda.set_device(int(worker[2:]) % torch.cuda.device_count())
+
+try:
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile(
+        "ci", derandomize=True, max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )
+    settings.register_profile("long", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # hypothesis is a test extra
+    pass
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

@@ -1,0 +1,53 @@
+"""Shared helpers for the kernel tests (interpreter on CPU, real shapes on the GPU).
+
+``check_against_oracle`` runs ``doracheck.dora_linear`` forward and backward on one case and
+compares y and every gradient with the fp64 oracle, in relative L2, against the budget rows
+of ``doracheck.properties`` for this device's family.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import doracheck
+from doracheck.properties import budget_for, device_family, make_case
+from doracheck.reference import dora_forward_ref, rel_l2
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+GRAD_NAMES = ("dx", "dA", "dB", "dm", "db")
+
+
+def run_case(case, dy, *, impl=doracheck.dora_linear, **kwargs):
+    leaves = [t.detach().clone().requires_grad_() for t in (case.x, case.lora_A, case.lora_B, case.magnitude, case.bias)]
+    y = impl(leaves[0], case.weight, leaves[1], leaves[2], leaves[3], case.scaling, leaves[4], **kwargs)
+    grads = torch.autograd.grad(y, leaves, dy)
+    return y.detach(), grads
+
+
+def oracle(case, dy, **kwargs):
+    leaves = [t.detach().double().requires_grad_() for t in (case.x, case.lora_A, case.lora_B, case.magnitude, case.bias)]
+    y = dora_forward_ref(leaves[0], case.weight, leaves[1], leaves[2], leaves[3], case.scaling, leaves[4], **kwargs)
+    grads = torch.autograd.grad(y, leaves, dy.double())
+    return y.detach(), grads
+
+
+def check_against_oracle(case, dtype, **kwargs):
+    """Assert y and the gradients are within budget; returns the errors for reporting."""
+    gen = torch.Generator().manual_seed(1234)
+    dy = torch.randn(*case.x.shape[:-1], case.weight.shape[0], generator=gen).to(case.x.device, dtype)
+    y, grads = run_case(case, dy, **kwargs)
+    y_ref, grads_ref = oracle(case, dy, **kwargs)
+    family = device_family(case.x.device)
+    name = DTYPE_NAMES[dtype]
+    errors = {"y": rel_l2(y, y_ref)}
+    errors.update({k: rel_l2(a, b) for k, a, b in zip(GRAD_NAMES, grads, grads_ref)})
+    assert y.dtype == dtype and y.shape == y_ref.shape
+    budget = budget_for("forward", "y", name, family).rel_l2
+    assert errors["y"] <= budget, f"y: rel err {errors['y']:.3e} > budget {budget:.3e} ({case.label}, {family})"
+    for k in GRAD_NAMES:
+        b = budget_for("backward", k, name, family).rel_l2
+        assert errors[k] <= b, f"{k}: rel err {errors[k]:.3e} > budget {b:.3e} ({case.label}, {family})"
+    return errors
+
+
+__all__ = ["check_against_oracle", "make_case", "oracle", "run_case"]

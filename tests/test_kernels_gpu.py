@@ -1,0 +1,157 @@
+"""The Triton path on a CUDA GPU at real shapes (marked ``gpu``; skipped without CUDA).
+
+Judged by the fp64 oracle (computed on the GPU in float64) within the budgets of this GPU's
+family; plus determinism, edge inputs, the norm cache and torch.compile.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import doracheck
+from doracheck.norm_cache import clear_norm_cache, norm_cache_stats
+from doracheck.properties import budget_for, device_family
+from doracheck.reference import norm_terms_ref, rel_l2
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+from kernel_cases import check_against_oracle, make_case, run_case  # noqa: E402
+
+DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float16), (torch.float32, torch.float32)]
+SHAPES = [(4096, 4096, 16, 512), (1000, 3000, 100, (3, 77)), (4099, 1031, 384, 257), (64, 8192, 1024, 1)]
+
+
+def ids(v):
+    return str(v).replace("torch.", "")
+
+
+@pytest.mark.parametrize("dtype,adapter_dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_forward_backward_within_budget(shape, dtype, adapter_dtype):
+    d_out, d_in, r, t = shape
+    case = make_case(d_out, d_in, r, t, dtype, adapter_dtype=adapter_dtype, seed=r, device="cuda")
+    check_against_oracle(case, dtype)
+
+
+@pytest.mark.parametrize("fan_in_fan_out", [False, True])
+@pytest.mark.parametrize("dtype,adapter_dtype", DTYPES, ids=ids)
+def test_factored_norm_within_budget(dtype, adapter_dtype, fan_in_fan_out):
+    gen = torch.Generator().manual_seed(1)
+    d_out, d_in, r = 2051, 4093, 200
+    W = (torch.randn(d_out, d_in, generator=gen) / d_in**0.5).to("cuda", dtype)
+    A = (torch.randn(r, d_in, generator=gen) / d_in**0.5).to("cuda", adapter_dtype)
+    B = (torch.randn(d_out, r, generator=gen) / r**0.5).to("cuda", adapter_dtype)
+    stored = W.t().contiguous() if fan_in_fan_out else W
+    n = doracheck.factored_norm(stored, A, B, 2.0, fan_in_fan_out=fan_in_fan_out)
+    ref = norm_terms_ref(W, A, B, 2.0).norm
+    budget = budget_for("norm", "norm", {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype], device_family("cuda")).rel_l2
+    assert rel_l2(n, ref) <= budget
+
+
+def test_bitwise_deterministic():
+    case = make_case(4096, 4096, 128, 1024, torch.bfloat16, seed=3, device="cuda")
+    dy = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16)
+    y1, g1 = run_case(case, dy)
+    clear_norm_cache()
+    y2, g2 = run_case(case, dy)
+    assert torch.equal(y1, y2)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+
+
+def test_edge_inputs():
+    case = make_case(512, 768, 16, (4, 33), torch.bfloat16, seed=5, device="cuda")
+    W = case.weight.clone()
+    B = case.lora_B.clone()
+    W[7] = 0
+    B[7] = 0
+    x = case.x.clone()
+    x[1, 2, 5] = float("nan")
+    y = doracheck.dora_linear(x, W, case.lora_A, B, case.magnitude, case.scaling)
+    finite_rows = ~torch.isnan(x).any(-1)
+    assert torch.all(y[..., 7][finite_rows] == 0)
+    assert torch.isnan(y[1, 2]).all() and not torch.isnan(y[finite_rows]).any()
+    assert doracheck.dora_linear(x[:, :0], W, case.lora_A, B, case.magnitude, case.scaling).shape == (4, 0, 512)
+    one = doracheck.dora_linear(case.x[0, :1], W, case.lora_A, B, case.magnitude, case.scaling)
+    ref = doracheck.dora_linear(case.x[0, :2], W, case.lora_A, B, case.magnitude, case.scaling)[:1]
+    assert rel_l2(one, ref) < 1e-2
+    nc = case.x.transpose(0, 1)
+    assert torch.equal(
+        doracheck.dora_linear(nc, W, case.lora_A, B, case.magnitude, case.scaling),
+        doracheck.dora_linear(nc.contiguous(), W, case.lora_A, B, case.magnitude, case.scaling),
+    )
+
+
+def test_norm_cache_hits_and_never_goes_stale():
+    case = make_case(1024, 2048, 32, 64, torch.bfloat16, seed=9, device="cuda")
+    W, A, B = case.weight.clone(), case.lora_A.clone(), case.lora_B.clone()
+    x, m = case.x, case.magnitude
+
+    def y_now():
+        return doracheck.dora_linear(x, W, A, B, m, case.scaling)
+
+    def y_fresh():
+        clear_norm_cache()
+        return doracheck.dora_linear(x, W, A, B, m, case.scaling)
+
+    clear_norm_cache()
+    y_now()
+    before = norm_cache_stats()["hits"]
+    y_now()
+    assert norm_cache_stats()["hits"] == before + 1
+    for tensor in (A, B, W):
+        with torch.no_grad():
+            tensor.mul_(1.5)
+        stale_or_not = y_now()
+        assert torch.equal(stale_or_not, y_fresh()), "the cache served a norm computed before an in-place update"
+
+
+def test_torch_compile_no_graph_breaks_matches_eager():
+    case = make_case(1024, 768, 64, (2, 128), torch.bfloat16, seed=2, device="cuda")
+
+    def f(x, A, B, m):
+        return doracheck.dora_linear(x, case.weight, A, B, m, case.scaling, case.bias)
+
+    compiled = torch.compile(f, fullgraph=True)
+    leaves = [t.detach().clone().requires_grad_() for t in (case.x, case.lora_A, case.lora_B, case.magnitude)]
+    y_c = compiled(*leaves)
+    dy = torch.randn_like(y_c)
+    g_c = torch.autograd.grad(y_c, leaves, dy)
+    leaves_e = [t.detach().clone().requires_grad_() for t in leaves]
+    y_e = f(*leaves_e)
+    g_e = torch.autograd.grad(y_e, leaves_e, dy)
+    assert rel_l2(y_c, y_e) < 1e-2 and torch.allclose(y_c.float(), y_e.float(), rtol=0.02, atol=0.02)
+    for a, b in zip(g_c, g_e):
+        assert rel_l2(a, b) < 2e-2
+
+
+def test_training_peak_memory_near_linear():
+    """fwd+bwd peak above resident <= 1.25 x nn.Linear's + 32 MiB (8192², r 384, T 4096, bf16)."""
+    d, r, T = 8192, 384, 4096
+    layer = doracheck.DoRALinear(d, d, r, 2 * r, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.02)
+    lin = torch.nn.Linear(d, d, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
+
+    def peak(fn):
+        fn()
+        x.grad = None
+        for p in layer.parameters():
+            p.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        result = torch.cuda.max_memory_allocated() - start
+        x.grad = None
+        for p in layer.parameters():
+            p.grad = None
+        return result / 2**20
+
+    linear_mib = peak(lambda: lin(x).backward(dy))
+    dora_mib = peak(lambda: layer(x).backward(dy))
+    assert dora_mib <= 1.25 * linear_mib + 32, (dora_mib, linear_mib)

@@ -1,0 +1,131 @@
+"""Every Triton kernel, run on the CPU under TRITON_INTERPRET=1 at small odd shapes.
+
+The Triton path is forced (``use_path("triton")``) so the kernels run in CI without a GPU;
+results are judged by the fp64 oracle within the interpreter family's budgets, and the
+kernel-level outputs against exact references (bitwise where the math allows it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import doracheck
+from doracheck.dispatch import use_path
+from doracheck.reference import norm_terms_ref, rel_l2
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="interpreter tests run on CPU-only machines (the GPU runs the gpu-marked tests)",
+)
+triton = pytest.importorskip("triton")
+
+from kernel_cases import check_against_oracle, make_case  # noqa: E402
+
+from doracheck.kernels import compose_triton, norm_triton  # noqa: E402
+
+SHAPES = [(7, 13, 3, 5), (33, 17, 5, (2, 3)), (20, 37, 16, 1)]
+DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float16)]
+
+
+@pytest.fixture(autouse=True)
+def _triton_path():
+    with use_path("triton"):
+        yield
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype,adapter_dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_dora_linear_triton_path_matches_oracle(shape, dtype, adapter_dtype):
+    d_out, d_in, r, t = shape
+    case = make_case(d_out, d_in, r, t, dtype, adapter_dtype=adapter_dtype, seed=d_out)
+    check_against_oracle(case, dtype)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fan_in_fan_out", [False, True])
+@pytest.mark.parametrize("dtype,adapter_dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_factored_norm_kernel_terms(dtype, adapter_dtype, fan_in_fan_out):
+    gen = torch.Generator().manual_seed(3)
+    d_out, d_in, r = 37, 45, 19
+    W = torch.randn(d_out, d_in, generator=gen).to(dtype)
+    A = (torch.randn(r, d_in, generator=gen) * 0.1).to(adapter_dtype)
+    B = torch.randn(d_out, r, generator=gen).to(adapter_dtype)
+    stored = W.t().contiguous() if fan_in_fan_out else W
+    got = norm_triton.factored_norm_triton(stored, A, B, 1.5, fan_in_fan_out=fan_in_fan_out)
+    ref = norm_terms_ref(W, A, B, 1.5)
+    # Under the interpreter every dot is fp32 (operands upcast): fp32 accumulation error only,
+    # except fp32 A against 16-bit W, whose hi+lo split keeps 16 bits of A (budgets.py).
+    tol = 1e-6 if not (dtype == torch.bfloat16 and adapter_dtype == torch.float32) else 2.0**-16
+    for name, a, b in zip(("base", "cross", "lora", "norm"), (got.base, got.cross, got.lora, got.norm), ref):
+        assert a.dtype == torch.float32
+        assert rel_l2(a, b) <= tol, f"{name}: {rel_l2(a, b):.2e} > {tol:.1e}"
+
+
+@pytest.mark.interpreter
+def test_compose_kernel_is_the_stable_compose_rounded_once():
+    """The fused kernel equals b + g·(base + s·lora) evaluated in fp32 and rounded once (bitwise)."""
+    gen = torch.Generator().manual_seed(5)
+    T, d_out, r = 21, 37, 19
+    base = torch.randn(T, d_out, generator=gen).bfloat16()
+    xa = torch.randn(T, r, generator=gen).bfloat16()
+    B = torch.randn(d_out, r, generator=gen).bfloat16()
+    g = 1 + 1e-3 * torch.randn(d_out, generator=gen)
+    b = torch.randn(d_out, generator=gen).bfloat16()
+    y = compose_triton.lora_up_compose_triton(base, xa, B, g, 0.7, b)
+    lora32 = xa.float() @ B.float().t()
+    expected = (g * (base.float() + 0.7 * lora32) + b.float()).bfloat16()
+    assert torch.equal(y, expected)
+    inplace = base.clone()
+    compose_triton.lora_up_compose_triton(inplace, xa, B, g, 0.7, b, out=inplace)
+    assert torch.equal(inplace, expected)
+
+
+@pytest.mark.interpreter
+def test_grad_kernel_dz_and_dm_partials():
+    gen = torch.Generator().manual_seed(6)
+    T, d_out = 45, 37
+    dy = torch.randn(T, d_out, generator=gen).bfloat16()
+    y = torch.randn(T, d_out, generator=gen).bfloat16()
+    g = torch.rand(d_out, generator=gen) + 0.5
+    n = torch.rand(d_out, generator=gen) + 0.5
+    b = torch.randn(d_out, generator=gen).bfloat16()
+    dz, S = compose_triton.grad_scale_dm_triton(dy, y, g, n, b, from_output=True)
+    assert torch.equal(dz, (dy.float() * g).bfloat16())
+    expected = (dy.double() * (y.double() - b.double())).sum(0)
+    assert rel_l2(S, expected) < 1e-6
+
+
+@pytest.mark.interpreter
+def test_edge_inputs_on_triton_path():
+    case = make_case(9, 11, 3, (2, 4), torch.float32, seed=4)
+    W = case.weight.clone()
+    W[2] = 0
+    B = case.lora_B.clone()
+    B[2] = 0
+    x = case.x.clone()
+    x[0, 1, 3] = float("nan")
+    y = doracheck.dora_linear(x, W, case.lora_A, B, case.magnitude, case.scaling)
+    assert torch.all(y[..., 2][~torch.isnan(x).any(-1)] == 0)
+    assert torch.isnan(y[0, 1]).all() and not torch.isnan(y[1]).any()
+    empty = doracheck.dora_linear(case.x[:, :0], W, case.lora_A, B, case.magnitude, case.scaling)
+    assert empty.shape == (2, 0, 9)
+    noncontig = case.x.transpose(0, 1)
+    y_nc = doracheck.dora_linear(noncontig, W, case.lora_A, B, case.magnitude, case.scaling)
+    y_c = doracheck.dora_linear(noncontig.contiguous(), W, case.lora_A, B, case.magnitude, case.scaling)
+    assert torch.equal(y_nc, y_c)
+
+
+@pytest.mark.interpreter
+def test_triton_path_is_deterministic():
+    case = make_case(17, 23, 5, 9, torch.bfloat16, seed=8)
+    dy = torch.randn(9, 17, generator=torch.Generator().manual_seed(0)).bfloat16()
+    from kernel_cases import run_case
+
+    y1, g1 = run_case(case, dy)
+    y2, g2 = run_case(case, dy)
+    assert torch.equal(y1, y2)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
