@@ -61,16 +61,19 @@ def _bt_diag_w(Bc: torch.Tensor, weight: torch.Tensor, fan_in_fan_out: bool) -> 
     return out
 
 
-def _norm(weight, lora_A, lora_B, scaling, fan_in_fan_out, detach_norm):
+def _norm_and_scale(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out, detach_norm):
+    """(FactoredNorm, g = m / max(n, eps)), from the norm cache while W, A, B, m are unchanged."""
+
     def compute():
         with torch.no_grad():
-            return factored_norm_full(
+            fn = factored_norm_full(
                 weight, lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out, need_factors=not detach_norm
             )
+            return fn, magnitude.detach().to(fn.norm.dtype) / torch.clamp_min(fn.norm, EPS)
 
     if not detach_norm:  # U and G are needed; not worth caching (training-only mode)
         return compute()
-    return norm_cache.lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute)
+    return norm_cache.lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, magnitude=magnitude)
 
 
 def _use_triton(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
@@ -90,9 +93,8 @@ def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p
     W = W if W.dtype == cd else W.to(cd)
     A = lora_A if lora_A.dtype == cd else lora_A.to(cd)
     triton_path = _use_triton(x, weight, lora_A, lora_B, magnitude, bias)
-    fn = _norm(weight, lora_A, lora_B, s, fan_in_fan_out, detach_norm)
+    fn, g = _norm_and_scale(weight, lora_A, lora_B, magnitude, s, fan_in_fan_out, detach_norm)
     n = fn.norm
-    g = magnitude.to(n.dtype) / torch.clamp_min(n, EPS)
 
     keep = None
     x_d = x2
@@ -127,18 +129,12 @@ def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p
 
 
 def _scaled_grad_chunk(dy_c, h_c, g, n, bias, *, triton_path, from_output, cd):
-    """(dz_c, Σ_t dy⊙z over the chunk) for one token chunk (see module docstring)."""
-    from doracheck.kernels import ops
-
+    """(dz_c, partial dm sum) for one token chunk: dz = g⊙dy (saturated where n < eps) and
+    Σ_t dy⊙h with h = y - b (= g⊙z, when ``from_output``) or h = z."""
     if triton_path:
-        dz, dm_sum = ops.call("grad_scale_dm", dy_c, h_c, g, n, bias, from_output)
-        if from_output:
-            # dm_sum = Σ dy⊙(g⊙z): divide by g. Where g = 0, z is gone: 0 for a zero row
-            # (n < eps, z = 0 exactly), NaN otherwise (see module docstring).
-            safe_g = torch.where(g == 0, torch.ones_like(g), g)
-            lost = torch.where(n < EPS, torch.zeros_like(n), torch.full_like(n, float("nan")))
-            dm_sum = torch.where(g == 0, lost, dm_sum / safe_g)
-        return dz, dm_sum
+        from doracheck.kernels import ops
+
+        return ops.call("grad_scale_dm", dy_c, h_c, g, n, bias, from_output)
     acc = n.dtype
     dy_acc = dy_c.to(acc)
     dz = dy_acc * g
@@ -147,8 +143,19 @@ def _scaled_grad_chunk(dy_c, h_c, g, n, bias, *, triton_path, from_output, cd):
     return dz, (dy_acc * h_c.to(acc)).sum(0)
 
 
+def _dm_sum_of_z(dm_sum, g, n, from_output):
+    """Σ_t dy⊙z from the accumulated sum. From the output, Σ dy⊙(g⊙z) is divided by g; where
+    g = 0, z is gone: 0 for a zero row (n < eps, z = 0 exactly), NaN otherwise."""
+    if not from_output:
+        return dm_sum
+    safe_g = torch.where(g == 0, torch.ones_like(g), g)
+    lost = torch.where(n < EPS, torch.zeros_like(n), torch.full_like(n, float("nan")))
+    return torch.where(g == 0, lost, dm_sum / safe_g)
+
+
 def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout_p, detach_norm, fan_in_fan_out, lead, need):
     x2, keep, xa, saved_h, g, n = (ctx_saved[k] for k in ("x2", "keep", "xa", "saved_h", "g", "n"))
+    triton_path, from_output = ctx_saved["triton_path"], ctx_saved["from_output"]
     cd = x2.dtype
     d_out = g.shape[0]
     d_in = x2.shape[1]
@@ -161,48 +168,55 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
     A = lora_A if lora_A.dtype == cd else lora_A.to(cd)
     B = lora_B if lora_B.dtype == cd else lora_B.to(cd)
     n_safe = torch.clamp_min(n, EPS)
-    r = A.shape[0]
 
-    dx2 = torch.empty(T, d_in, dtype=cd, device=x2.device) if need[0] else None
-    dB_acc = torch.zeros(d_out, r, dtype=acc, device=x2.device) if need[3] else None
-    dA_acc = torch.zeros(r, d_in, dtype=acc, device=x2.device) if need[2] else None
-    dW_rows = torch.zeros(d_out, d_in, dtype=acc, device=x2.device) if need[1] else None
-    dm_sum = torch.zeros(d_out, dtype=acc, device=x2.device)
     step = backward_token_chunk(T, d_out, dy2.element_size())
+    chunked = step < T
+    dx2 = torch.empty(T, d_in, dtype=cd, device=x2.device) if need[0] else None
+    dB_acc = dA_acc = dW_rows = dm_sum = None
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
-        dy_c = dy2[t0:t1]
-        x_c = x2[t0:t1]
-        keep_c = None if keep is None else keep[t0:t1].to(cd) / (1.0 - dropout_p)
+        dy_c = dy2[t0:t1] if chunked else dy2
+        x_c = x2[t0:t1] if chunked else x2
+        keep_c = None if keep is None else (keep[t0:t1] if chunked else keep).to(cd) / (1.0 - dropout_p)
         x_d_c = x_c if keep_c is None else x_c * keep_c
         dz, dm_c = _scaled_grad_chunk(
-            dy_c, saved_h[t0:t1], g, n, bias, triton_path=ctx_saved["triton_path"], from_output=ctx_saved["from_output"], cd=cd
+            dy_c, saved_h[t0:t1] if chunked else saved_h, g, n, bias, triton_path=triton_path, from_output=from_output, cd=cd
         )
-        dm_sum += dm_c
+        dm_sum = dm_c if dm_sum is None else dm_sum.add_(dm_c)
         dzB = dz @ B  # (t, r)
         if dx2 is not None:
-            out = dx2[t0:t1]
+            out = dx2[t0:t1] if chunked else dx2
             if keep_c is None:
                 torch.mm(dz, W, out=out)
                 out.addmm_(dzB, A, alpha=s)
             else:
                 gm1_dy = (dy_c.to(acc) * (g - 1.0)).to(cd)
-                dropped = torch.addmm(gm1_dy @ W, dzB, A, alpha=s) * keep_c
+                dropped = torch.addmm(gm1_dy @ W, dzB, A, alpha=s).mul_(keep_c)
                 torch.mm(dy_c, W, out=out)
                 out += dropped
-        if dB_acc is not None:
-            dB_acc += (dz.t() @ xa[t0:t1]).to(acc)
-        if dA_acc is not None:
-            dA_acc += (dzB.t() @ x_d_c).to(acc)
-        if dW_rows is not None:
+        # Adapter gradients: one chunk -> straight from the GEMM; several -> fp32 accumulators.
+        if need[3]:
+            part = dz.t() @ (xa[t0:t1] if chunked else xa)
+            dB_acc = part if not chunked else (part.to(acc) if dB_acc is None else dB_acc.add_(part))
+        if need[2]:
+            part = dzB.t() @ x_d_c
+            dA_acc = part if not chunked else (part.to(acc) if dA_acc is None else dA_acc.add_(part))
+        if need[1]:
             if keep_c is None:
-                dW_rows += dz.to(acc).t() @ x_c.to(acc)
+                part = dz.to(acc).t() @ x_c.to(acc)
             else:
-                dW_rows += dy_c.to(acc).t() @ x_c.to(acc) + (dy_c.to(acc) * (g - 1.0)).t() @ x_d_c.to(acc)
+                part = dy_c.to(acc).t() @ x_c.to(acc) + (dy_c.to(acc) * (g - 1.0)).t() @ x_d_c.to(acc)
+            dW_rows = part if dW_rows is None else dW_rows.add_(part)
+    if T == 0:
+        dm_sum = torch.zeros(d_out, dtype=acc, device=x2.device)
+        dB_acc = torch.zeros(d_out, A.shape[0], dtype=acc, device=x2.device) if need[3] else None
+        dA_acc = torch.zeros(A.shape[0], d_in, dtype=acc, device=x2.device) if need[2] else None
+        dW_rows = torch.zeros(d_out, d_in, dtype=acc, device=x2.device) if need[1] else None
+    dm_sum = _dm_sum_of_z(dm_sum.to(acc), g, n, from_output)
 
     dx = dx2.reshape(*lead, d_in) if dx2 is not None else None
-    dB = s * dB_acc if dB_acc is not None else None
-    dA = s * dA_acc if dA_acc is not None else None
+    dB = dB_acc.to(acc).mul_(s) if dB_acc is not None else None
+    dA = dA_acc.to(acc).mul_(s) if dA_acc is not None else None
     dm = (dm_sum / n_safe).to(magnitude.dtype) if need[4] else None
     db = dy2.to(acc).sum(0).to(bias.dtype) if (need[5] and bias is not None) else None
 

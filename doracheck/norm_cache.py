@@ -1,6 +1,6 @@
 """Reuse the DoRA norm while W, A, B and s are unchanged.
 
-The key is, for each of W, A, B: the tensor's identity, its data pointer and its version
+The key is, for each of W, A, B (and the magnitude, when the cached value is g = m / n): the tensor's identity, its data pointer and its version
 counter (bumped by every in-place write through the tensor or a view of it, including
 optimizer steps under no_grad), plus s, the layout flag, shapes, dtypes and device. An
 entry also holds weak references to the three tensors and is dropped when B is freed, so a
@@ -31,9 +31,10 @@ def _fingerprint(t: torch.Tensor):
     return (id(t), t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
 
 
-def _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, detach_norm):
+def _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude):
     try:
-        return (_fingerprint(weight), _fingerprint(lora_A), _fingerprint(lora_B), float(scaling), bool(fan_in_fan_out))
+        mag = _fingerprint(magnitude) if magnitude is not None else None
+        return (_fingerprint(weight), _fingerprint(lora_A), _fingerprint(lora_B), mag, float(scaling), bool(fan_in_fan_out))
     except RuntimeError:  # inference tensors have no version counter
         return None
 
@@ -43,11 +44,12 @@ def _cacheable() -> bool:
     return not (compiler is not None and compiler.is_compiling())
 
 
-def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, *, detach_norm=True):
-    """Return the cached value for these tensors' current contents, or ``compute()`` and cache it."""
+def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, *, magnitude=None):
+    """Return the cached value for these tensors' current contents, or ``compute()`` and cache
+    it. With ``magnitude`` the value may depend on it too (its version is part of the key)."""
     if not _cacheable():
         return compute()
-    key = _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, detach_norm)
+    key = _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude)
     if key is None:
         return compute()
     slot = id(lora_B)

@@ -129,3 +129,23 @@ def test_triton_path_is_deterministic():
     y2, g2 = run_case(case, dy)
     assert torch.equal(y1, y2)
     assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_chunked_backward_equals_one_chunk(monkeypatch, path):
+    """The token-chunked backward (used when dz would be large) gives the same gradients."""
+    from kernel_cases import run_case
+
+    from doracheck.kernels import settings
+
+    case = make_case(19, 23, 4, 37, torch.float32, seed=11)
+    dy = torch.randn(37, 19, generator=torch.Generator().manual_seed(2))
+    with use_path(path):
+        y1, g1 = run_case(case, dy)
+        monkeypatch.setattr(settings, "BACKWARD_CHUNK_BYTES", 19 * 4 * 8)  # 8 tokens per chunk
+        assert settings.backward_token_chunk(37, 19, 4) == 8
+        y2, g2 = run_case(case, dy)
+    assert torch.equal(y1, y2)
+    for a, b in zip(g1, g2):
+        assert rel_l2(b, a) < 1e-6
