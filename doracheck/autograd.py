@@ -26,7 +26,8 @@ With ``detach_norm=False`` and c_i = (∂L/∂n_i)/n_i = -S_i·m_i/n_i³ (S = Σ
 No dense B·A is formed for the adapter gradients; dW is dense by nature.
 
 The backward runs over token chunks when dz (T×d_out) would be large (settings
-``backward_token_chunk``): dx is written chunk by chunk, dA, dB, dm accumulate in fp32.
+``backward_token_chunk``): dx is written chunk by chunk, dB and dm accumulate in fp32, dz·B
+(T×r) is kept for one dA GEMM at the end.
 Rows with n < eps (g = m/eps, up to 1e12) get dz saturated at the dtype's largest finite
 value instead of inf, so zero rows of W and B contribute 0 rather than inf·0 = NaN (fp16).
 Without autograd (no_grad, or nothing requires grad) the forward runs without an
@@ -172,7 +173,10 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
     step = backward_token_chunk(T, d_out, dy2.element_size())
     chunked = step < T
     dx2 = torch.empty(T, d_in, dtype=cd, device=x2.device) if need[0] else None
-    dB_acc = dA_acc = dW_rows = dm_sum = None
+    dB_acc = dW_rows = dm_sum = None
+    # dz·B for every token is small (T×r): keep it and form dA = s·(dz·B)ᵀ·x_d with one GEMM after.
+    dzB_all = torch.empty(T, A.shape[0], dtype=cd, device=x2.device) if (need[2] and chunked) else None
+    dzB = None
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         dy_c = dy2[t0:t1] if chunked else dy2
@@ -198,15 +202,18 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
         if need[3]:
             part = dz.t() @ (xa[t0:t1] if chunked else xa)
             dB_acc = part if not chunked else (part.to(acc) if dB_acc is None else dB_acc.add_(part))
-        if need[2]:
-            part = dzB.t() @ x_d_c
-            dA_acc = part if not chunked else (part.to(acc) if dA_acc is None else dA_acc.add_(part))
+        if dzB_all is not None:
+            dzB_all[t0:t1] = dzB
         if need[1]:
             if keep_c is None:
                 part = dz.to(acc).t() @ x_c.to(acc)
             else:
                 part = dy_c.to(acc).t() @ x_c.to(acc) + (dy_c.to(acc) * (g - 1.0)).t() @ x_d_c.to(acc)
             dW_rows = part if dW_rows is None else dW_rows.add_(part)
+    dA_acc = None
+    if need[2] and T > 0:
+        x_d = x2 if keep is None else x2 * (keep.to(cd) / (1.0 - dropout_p))
+        dA_acc = (dzB_all if chunked else dzB).t() @ x_d
     if T == 0:
         dm_sum = torch.zeros(d_out, dtype=acc, device=x2.device)
         dB_acc = torch.zeros(d_out, A.shape[0], dtype=acc, device=x2.device) if need[3] else None
