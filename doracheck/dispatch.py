@@ -20,10 +20,12 @@ class PathChoice(NamedTuple):
     reason: str
 
 
-@functools.lru_cache(maxsize=1)
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
-    """Whether triton can be imported (looked up once: a find_spec per call costs tens of µs)."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether triton can be imported (looked up once at import: find_spec costs tens of µs)."""
+    return _HAS_TRITON
 
 
 _PATH_OVERRIDE: contextvars.ContextVar[str | None] = contextvars.ContextVar("doracheck_path", default=None)
@@ -73,6 +75,11 @@ def choose_path(device: torch.device) -> PathChoice:
     (``use_path`` or DORACHECK_PATH) also works for CPU tensors under TRITON_INTERPRET=1,
     which is how CI exercises the kernels without a GPU.
     """
+    if torch.compiler.is_compiling():
+        # Inside torch.compile the decision is the automatic one (overrides are Python state
+        # that Dynamo does not trace; they apply to eager calls).
+        name = "triton" if device.type == "cuda" and _HAS_TRITON else "torch"
+        return PathChoice(name, "torch.compile: automatic choice")
     forced = _forced_path()
     has_triton = triton_available()
     if forced == "torch":
