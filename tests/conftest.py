@@ -19,9 +19,8 @@ else:
     # cuBLAS is bitwise reproducible only with a fixed workspace configuration (PyTorch's
     # reproducibility notes); set before the first cuBLAS handle so determinism tests hold.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-elif torch.cuda.device_count() > 1:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    if worker.startswith("gw") and worker[2:].isdigit():
+    if torch.cuda.device_count() > 1 and worker.startswith("gw") and worker[2:].isdigit():
         torch.cuda.set_device(int(worker[2:]) % torch.cuda.device_count())
 
 try:
