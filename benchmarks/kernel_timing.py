@@ -18,7 +18,6 @@ from doracheck.kernels import compose_triton as ct
 from doracheck.kernels import norm_triton as nt
 from doracheck.kernels import settings
 
-
 # Candidates kept after a first sweep of 48 compose and 24 grad configs on the H200 (2026-11-29),
 # whose timings were dominated by a launch overhead since removed.
 COMPOSE_CANDIDATES = ((64, 128, 64, 4, 3), (128, 128, 32, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),

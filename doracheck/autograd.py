@@ -63,14 +63,16 @@ def _bt_diag_w(Bc: torch.Tensor, weight: torch.Tensor, fan_in_fan_out: bool) -> 
 
 
 def _norm_and_scale(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out, detach_norm):
-    """(FactoredNorm, g = m / max(n, eps)), from the norm cache while W, A, B, m are unchanged."""
+    """(FactoredNorm, g = m / max(n, eps), max(n, eps)), from the norm cache while W, A, B, m
+    are unchanged (the backward reuses max(n, eps) instead of recomputing it)."""
 
     def compute():
         with torch.no_grad():
             fn = factored_norm_full(
                 weight, lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out, need_factors=not detach_norm
             )
-            return fn, magnitude.detach().to(fn.norm.dtype) / torch.clamp_min(fn.norm, EPS)
+            n_safe = torch.clamp_min(fn.norm, EPS)
+            return fn, magnitude.detach().to(fn.norm.dtype) / n_safe, n_safe
 
     if not detach_norm:  # U and G are needed; not worth caching (training-only mode)
         return compute()
@@ -94,7 +96,7 @@ def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p
     W = W if W.dtype == cd else W.to(cd)
     A = lora_A if lora_A.dtype == cd else lora_A.to(cd)
     triton_path = _use_triton(x, weight, lora_A, lora_B, magnitude, bias)
-    fn, g = _norm_and_scale(weight, lora_A, lora_B, magnitude, s, fan_in_fan_out, detach_norm)
+    fn, g, n_safe = _norm_and_scale(weight, lora_A, lora_B, magnitude, s, fan_in_fan_out, detach_norm)
     n = fn.norm
 
     keep = None
@@ -123,7 +125,7 @@ def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p
         y = y.to(cd)
         saved_h = (base_d + s * lora).to(cd)
     saved = {
-        "x2": x2, "keep": keep, "xa": xa, "saved_h": saved_h, "g": g, "n": n, "U": fn.U, "G": fn.G,
+        "x2": x2, "keep": keep, "xa": xa, "saved_h": saved_h, "g": g, "n": n, "n_safe": n_safe, "U": fn.U, "G": fn.G,
         "triton_path": triton_path, "from_output": from_output,
     }
     return y, saved
@@ -168,7 +170,7 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
     W = W if W.dtype == cd else W.to(cd)
     A = lora_A if lora_A.dtype == cd else lora_A.to(cd)
     B = lora_B if lora_B.dtype == cd else lora_B.to(cd)
-    n_safe = torch.clamp_min(n, EPS)
+    n_safe = ctx_saved["n_safe"]
 
     step = backward_token_chunk(T, d_out, dy2.element_size())
     chunked = step < T
@@ -256,7 +258,7 @@ class DoRALinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, lora_A, lora_B, magnitude, bias, scaling, keep_mask, dropout_p, detach_norm, fan_in_fan_out):
         y, saved = _forward(x, weight, lora_A, lora_B, magnitude, bias, float(scaling), keep_mask, dropout_p, detach_norm, fan_in_fan_out)
-        tensors = [saved[k] for k in ("x2", "keep", "xa", "saved_h", "g", "n", "U", "G")]
+        tensors = [saved[k] for k in ("x2", "keep", "xa", "saved_h", "g", "n", "n_safe", "U", "G")]
         ctx.save_for_backward(*tensors, weight, lora_A, lora_B, magnitude, bias)
         ctx.flags = (saved["triton_path"], saved["from_output"])
         ctx.args = (float(scaling), dropout_p, detach_norm, fan_in_fan_out, x.shape[:-1])
@@ -264,8 +266,8 @@ class DoRALinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x2, keep, xa, saved_h, g, n, U, G, weight, lora_A, lora_B, magnitude, bias = ctx.saved_tensors
-        saved = {"x2": x2, "keep": keep, "xa": xa, "saved_h": saved_h, "g": g, "n": n, "U": U, "G": G}
+        x2, keep, xa, saved_h, g, n, n_safe, U, G, weight, lora_A, lora_B, magnitude, bias = ctx.saved_tensors
+        saved = {"x2": x2, "keep": keep, "xa": xa, "saved_h": saved_h, "g": g, "n": n, "n_safe": n_safe, "U": U, "G": G}
         saved["triton_path"], saved["from_output"] = ctx.flags
         s, dropout_p, detach_norm, fan_in_fan_out, lead = ctx.args
         grads = _backward(

@@ -90,7 +90,10 @@ def make_case(
     b = randn(d_out, scale=0.1).to(dtype) if with_bias else None
     label = f"{d_out}x{d_in} r{r} T{lead} {dtype} adapters {adapter_dtype}"
     dev = torch.device(device)
-    mv = (lambda t: t.to(dev) if t is not None else None)
+
+    def mv(t):
+        return t.to(dev) if t is not None else None
+
     return Case(mv(x), mv(W), mv(A), mv(B), mv(m), s, mv(b), label)
 
 
