@@ -83,7 +83,7 @@ class DoRALinear(nn.Module):
             device=linear.weight.device,
             dtype=linear.weight.dtype,
         )
-        layer.weight = linear.weight
+        layer.weight = linear.weight  # type: ignore[assignment]  # shared Parameter, not a copy
         layer.weight.requires_grad_(False)
         layer.bias = linear.bias
         if layer.bias is not None:
@@ -99,7 +99,9 @@ class DoRALinear(nn.Module):
         self.magnitude.copy_(self._norm().to(self.magnitude.dtype))
 
     def _norm(self) -> torch.Tensor:
-        return factored_norm(self.weight, self.lora_A, self.lora_B, self.scaling)
+        norm = factored_norm(self.weight, self.lora_A, self.lora_B, self.scaling)
+        assert isinstance(norm, torch.Tensor)
+        return norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged:
@@ -137,7 +139,7 @@ class DoRALinear(nn.Module):
         g = self.magnitude.to(torch.float32) / torch.clamp_min(self._merged_norm, EPS)
         lora = self.scaling * (self.lora_B.to(torch.float32) @ self.lora_A.to(torch.float32))
         self.weight.copy_((self.weight.to(torch.float32) / g[:, None] - lora).to(self.weight.dtype))
-        self._merged_norm = None
+        self._merged_norm = None  # type: ignore[assignment]
         self.merged = False
 
     def extra_repr(self) -> str:

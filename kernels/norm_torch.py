@@ -27,8 +27,8 @@ class FactoredNorm(NamedTuple):
     cross: torch.Tensor  # (d_out,)  <W_i, (B·A)_i> = Σ_k B_ik·U_ik
     lora: torch.Tensor  # (d_out,)  ||(B·A)_i||²   = Σ_k (B·G)_ik·B_ik
     norm: torch.Tensor  # (d_out,)  sqrt(max(base + 2s·cross + s²·lora, 0))
-    U: torch.Tensor  # (d_out, r) W·Aᵀ
-    G: torch.Tensor  # (r, r)     A·Aᵀ
+    U: torch.Tensor | None  # (d_out, r) W·Aᵀ (None where not materialised: the Triton path)
+    G: torch.Tensor | None  # (r, r)     A·Aᵀ
 
 
 def accumulation_dtype(*tensors: torch.Tensor) -> torch.dtype:

@@ -196,7 +196,9 @@ def factored_norm_triton(
     else:
         strides = (weight.stride(0), weight.stride(1))
     G = gram_triton(lora_A)
-    cross, base = rowdot_triton(weight, strides, lora_A, lora_B, compute_base=True)
+    cross, base_or_none = rowdot_triton(weight, strides, lora_A, lora_B, compute_base=True)
+    assert base_or_none is not None  # compute_base=True always returns the base term
+    base = base_or_none
     # lora_i = Σ_j B_ij·(B·G)_ij: the same kernel with X = B (dots in W's 16-bit dtype when B
     # is an exact 16-bit adapter; tf32x3 for fp32 B), Y = G (split hi + lo), C = B.
     lora, _ = rowdot_triton(lora_B, (lora_B.stride(0), lora_B.stride(1)), G, lora_B, compute_base=False, pieces=3)

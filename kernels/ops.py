@@ -18,6 +18,9 @@ Ops (namespace ``doracheck``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch.library import triton_op
 
@@ -65,7 +68,7 @@ lora_up_compose_op = triton_op("doracheck::lora_up_compose_", _lora_up_compose_,
 lora_up_compose_dropout_op = triton_op("doracheck::lora_up_compose_dropout", _lora_up_compose_dropout, mutates_args=())
 grad_scale_dm_op = triton_op("doracheck::grad_scale_dm", _grad_scale_dm, mutates_args=())
 
-_EAGER = {
+_EAGER: dict[str, Callable[..., Any]] = {
     "factored_norm": _factored_norm,
     "lora_up_compose_": _lora_up_compose_,
     "lora_up_compose_dropout": _lora_up_compose_dropout,

@@ -108,10 +108,14 @@ def norm_terms_ref(
         P_hi, P_lo = _accurate_lora_product(A, B)
         V_hi, V_lo = _accurate_v(W, P_hi, P_lo, s)
         zero = torch.zeros_like(W)
-        base = sum(accurate_sum_last_dim(*square_terms(W, zero)))
-        cross = sum(accurate_sum_last_dim(*product_terms(W, zero, P_hi, P_lo)))
-        lora = sum(accurate_sum_last_dim(*square_terms(P_hi, P_lo)))
-        norm = sum(_accurate_norm(V_hi, V_lo))
+
+        def rounded(pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            return pair[0] + pair[1]
+
+        base = rounded(accurate_sum_last_dim(*square_terms(W, zero)))
+        cross = rounded(accurate_sum_last_dim(*product_terms(W, zero, P_hi, P_lo)))
+        lora = rounded(accurate_sum_last_dim(*square_terms(P_hi, P_lo)))
+        norm = rounded(_accurate_norm(V_hi, V_lo))
         return NormTermsRef(base=base, cross=cross, lora=lora, norm=norm)
 
 
