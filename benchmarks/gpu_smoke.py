@@ -7,10 +7,10 @@ fan_in_fan_out, T = 0, T = 1 and the token-chunked backward.
 import sys
 
 import torch
-from doracheck.kernels import settings
-from doracheck.reference import dora_forward_ref, norm_terms_ref, rel_l2
 
 import doracheck
+from doracheck.kernels import settings
+from doracheck.reference import dora_forward_ref, norm_terms_ref, rel_l2
 
 small = "--small" in sys.argv
 torch.manual_seed(0)

@@ -14,6 +14,7 @@ import csv
 
 import torch
 import triton
+
 from doracheck.kernels import compose_triton as ct
 from doracheck.kernels import norm_triton as nt
 from doracheck.kernels import settings

@@ -114,3 +114,11 @@ def backward_token_chunk(T: int, d_out: int, itemsize: int) -> int:
     """Tokens per backward chunk (T itself when dz is small)."""
     per_token = max(d_out * itemsize, 1)
     return max(1, min(T, BACKWARD_CHUNK_BYTES // per_token)) if T * per_token > BACKWARD_CHUNK_BYTES else max(T, 1)
+
+
+def triton_norm_memory_bound(d_out: int, d_in: int, r: int) -> int:
+    """Bytes the Triton factored norm allocates: the Gram partials (splits, r, r) and G, the
+    per-column-tile partials of cross and lora (2 × n_tiles × d_out) and the four term vectors."""
+    cfg = gram_config(r, d_in)
+    n_tiles = -(-r // 256) if r else 1
+    return 4 * (r * r * (cfg.splits + 1) + d_out * (2 * n_tiles + 4))

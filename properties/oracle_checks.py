@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+
 from doracheck.reference import dora_forward_ref, norm_terms_ref, rel_l2
 
 from .budgets import DTYPES, budget_for

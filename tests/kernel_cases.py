@@ -8,10 +8,10 @@ of ``doracheck.properties`` for this device's family.
 from __future__ import annotations
 
 import torch
-from doracheck.properties import budget_for, device_family, make_case
-from doracheck.reference import dora_forward_ref, rel_l2
 
 import doracheck
+from doracheck.properties import budget_for, device_family, make_case
+from doracheck.reference import dora_forward_ref, rel_l2
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 GRAD_NAMES = ("dx", "dA", "dB", "dm", "db")

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from doracheck.properties import budget_for, device_family
-from doracheck.reference import norm_terms_ref, rel_l2
 
 import doracheck
 from doracheck.norm_cache import clear_norm_cache, norm_cache_stats
+from doracheck.properties import budget_for, device_family
+from doracheck.reference import norm_terms_ref, rel_l2
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

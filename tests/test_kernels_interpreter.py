@@ -11,10 +11,10 @@ import os
 
 import pytest
 import torch
-from doracheck.reference import norm_terms_ref, rel_l2
 
 import doracheck
 from doracheck.dispatch import use_path
+from doracheck.reference import norm_terms_ref, rel_l2
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
@@ -22,8 +22,9 @@ pytestmark = pytest.mark.skipif(
 )
 triton = pytest.importorskip("triton")
 
-from doracheck.kernels import compose_triton, norm_triton  # noqa: E402
 from kernel_cases import check_against_oracle, make_case  # noqa: E402
+
+from doracheck.kernels import compose_triton, norm_triton  # noqa: E402
 
 SHAPES = [(7, 13, 3, 5), (33, 17, 5, (2, 3)), (20, 37, 16, 1)]
 DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float16)]
@@ -134,8 +135,9 @@ def test_triton_path_is_deterministic():
 @pytest.mark.parametrize("path", ["triton", "torch"])
 def test_chunked_backward_equals_one_chunk(monkeypatch, path):
     """The token-chunked backward (used when dz would be large) gives the same gradients."""
-    from doracheck.kernels import settings
     from kernel_cases import run_case
+
+    from doracheck.kernels import settings
 
     case = make_case(19, 23, 4, 37, torch.float32, seed=11)
     dy = torch.randn(37, 19, generator=torch.Generator().manual_seed(2))

@@ -20,6 +20,8 @@ import math
 
 import pytest
 import torch
+
+import doracheck
 from doracheck.reference import (
     UNIT_ROUNDOFF,
     dot_error_bound,
@@ -31,8 +33,6 @@ from doracheck.reference import (
     ulp_distance,
     ulp_error,
 )
-
-import doracheck
 
 F64 = torch.float64
 LOW_DTYPES = (torch.float16, torch.bfloat16)

@@ -45,12 +45,12 @@ from torch import nn
 
 peft = pytest.importorskip("peft")
 
-from doracheck.reference import rel_l2  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from peft.tuners.lora import Linear as PeftLoraLinear  # noqa: E402
 from peft.tuners.lora.dora import DoraLinearLayer  # noqa: E402
 
 import doracheck  # noqa: E402
+from doracheck.reference import rel_l2  # noqa: E402
 
 ADAPTER = "default"
 TOL = 1e-5

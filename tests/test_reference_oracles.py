@@ -24,6 +24,7 @@ from fractions import Fraction
 import mpmath
 import pytest
 import torch
+
 from doracheck.reference import (
     EPS,
     dora_forward_ref,

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from doracheck.kernels import factored_norm_torch, norm_memory_bound
-from doracheck.reference import UNIT_ROUNDOFF, dora_forward_ref, gamma, norm_terms_ref, rel_l2
 
 import doracheck
 import doracheck.dispatch
+from doracheck.kernels import factored_norm_torch, norm_memory_bound
+from doracheck.reference import UNIT_ROUNDOFF, dora_forward_ref, gamma, norm_terms_ref, rel_l2
 
 try:
     from memory_tracking import peak_tensor_bytes

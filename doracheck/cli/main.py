@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import env_cmd, verify_cmd
+from . import audit_cmd, env_cmd, verify_cmd
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     env_cmd.add_parser(sub)
     verify_cmd.add_parser(sub)
+    audit_cmd.add_parser(sub)
     return parser
 
 

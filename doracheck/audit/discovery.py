@@ -1,0 +1,130 @@
+"""Find the DoRA modules in a safetensors file and work out each one's rank and scaling.
+
+Naming schemes recognised:
+- PEFT: ``<prefix><module>.lora_A.weight``, ``.lora_B.weight``, ``.lora_magnitude_vector``
+  (``<prefix>`` is usually ``base_model.model.``; an adapter name may follow lora_A/lora_B).
+- kohya / LyCORIS: ``<module>.lora_down.weight``, ``.lora_up.weight``, ``.dora_scale``,
+  ``.alpha``. Their ``dora_scale`` is a norm over a different axis (per input feature by
+  default), so these modules get structural checks and a format note, not PEFT's numerics.
+
+Scaling follows PEFT: r and lora_alpha from adapter_config.json, overridden per module by
+``rank_pattern`` / ``alpha_pattern`` (matched like ``peft.utils.other.get_pattern_key``),
+s = alpha / r, or alpha / sqrt(r) with ``use_rslora``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .reader import AuditInputError
+
+PEFT_PREFIX = "base_model.model."
+_PEFT = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B)(?:\.(?P<adapter>[^.]+))?\.weight$")
+_PEFT_MAG = re.compile(r"^(?P<module>.+)\.lora_magnitude_vector(?:\.(?P<adapter>[^.]+))?(?:\.weight)?$")
+_KOHYA = re.compile(r"^(?P<module>.+)\.(?P<part>lora_down\.weight|lora_up\.weight|dora_scale|alpha)$")
+
+
+@dataclass
+class ModuleKeys:
+    name: str  # module name as in the base model (PEFT prefix removed)
+    fmt: str  # "peft" or "kohya"
+    keys: dict[str, str] = field(default_factory=dict)  # role -> key: A, B, magnitude, alpha
+
+
+@dataclass
+class AdapterConfig:
+    r: int | None = None
+    lora_alpha: float | None = None
+    use_rslora: bool = False
+    rank_pattern: dict = field(default_factory=dict)
+    alpha_pattern: dict = field(default_factory=dict)
+    use_dora: bool | None = None
+    fan_in_fan_out: bool = False
+    source: str | None = None
+
+    @classmethod
+    def load(cls, path: Path) -> AdapterConfig:
+        try:
+            raw = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise AuditInputError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        except json.JSONDecodeError as exc:
+            raise AuditInputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(raw, dict):
+            raise AuditInputError(f"{path}: not a JSON object")
+
+        def number(key, kind):
+            value = raw.get(key)
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise AuditInputError(f"{path}: {key} must be a positive number, got {value!r}")
+            return kind(value)
+
+        patterns = {}
+        for key in ("rank_pattern", "alpha_pattern"):
+            value = raw.get(key) or {}
+            if not isinstance(value, dict):
+                raise AuditInputError(f"{path}: {key} must be an object, got {type(value).__name__}")
+            patterns[key] = value
+        return cls(
+            r=number("r", int),
+            lora_alpha=number("lora_alpha", float),
+            use_rslora=bool(raw.get("use_rslora", False)),
+            rank_pattern=patterns["rank_pattern"],
+            alpha_pattern=patterns["alpha_pattern"],
+            use_dora=raw.get("use_dora"),
+            fan_in_fan_out=bool(raw.get("fan_in_fan_out", False)),
+            source=str(path),
+        )
+
+
+def pattern_key(patterns: dict, module: str) -> str | None:
+    """PEFT's get_pattern_key: the first pattern p with re.match(rf"(.*\\.)?({p})$", module)."""
+    for key in patterns:
+        try:
+            if re.match(rf"(.*\.)?({key})$", module):
+                return key
+        except re.error:
+            continue
+    return None
+
+
+def rank_and_scaling(config: AdapterConfig | None, module: str, r_found: int) -> tuple[int | None, float | None, str]:
+    """(configured r, scaling, how it was determined) for ``module`` as PEFT would set it."""
+    if config is None or config.r is None or config.lora_alpha is None:
+        return None, None, "no adapter_config.json: scaling unknown"
+    key = pattern_key(config.rank_pattern, module)
+    r = int(config.rank_pattern[key]) if key is not None else config.r
+    akey = pattern_key(config.alpha_pattern, module)
+    alpha = float(config.alpha_pattern[akey]) if akey is not None else config.lora_alpha
+    scaling = alpha / math.sqrt(r) if config.use_rslora else alpha / r
+    how = f"alpha {alpha:g} / {'sqrt(r)' if config.use_rslora else 'r'} with r = {r}"
+    return r, scaling, how
+
+
+def find_modules(keys: list[str]) -> list[ModuleKeys]:
+    """Group tensor keys into DoRA (and plain LoRA) modules, in file order."""
+    modules: dict[str, ModuleKeys] = {}
+    for key in keys:
+        m = _PEFT.match(key)
+        mag = _PEFT_MAG.match(key)
+        kohya = _KOHYA.match(key)
+        if m:
+            name, role, fmt = m["module"], m["part"][-1], "peft"
+        elif mag:
+            name, role, fmt = mag["module"], "magnitude", "peft"
+        elif kohya:
+            name, fmt = kohya["module"], "kohya"
+            role = {"lora_down.weight": "A", "lora_up.weight": "B", "dora_scale": "magnitude", "alpha": "alpha"}[kohya["part"]]
+        else:
+            continue
+        if fmt == "peft" and name.startswith(PEFT_PREFIX):
+            name = name[len(PEFT_PREFIX):]
+        entry = modules.setdefault(f"{fmt}:{name}", ModuleKeys(name=name, fmt=fmt))
+        entry.keys[role] = key
+    return list(modules.values())
