@@ -317,3 +317,28 @@ def test_audit_input_error_is_one_line(tmp_path):
     with pytest.raises(AuditInputError) as info:
         audit_path(tmp_path / "missing")
     assert "\n" not in str(info.value) and not math.isnan(len(str(info.value)))
+
+
+def test_streaming_reads_only_matched_base_weights(tmp_path, monkeypatch):
+    """The base model is read one matched weight at a time; unrelated tensors (here a 16 MiB
+    embedding) are never loaded."""
+    from safetensors import safe_open
+
+    from doracheck.audit import reader
+
+    folder = write_sample(tmp_path / "s")
+    with safe_open(str(folder / "base_model.safetensors"), "pt") as f:
+        base = {k: f.get_tensor(k) for k in f.keys()}
+    base["model.embed_tokens.weight"] = torch.zeros(4096, 1024)
+    save_file(base, str(folder / "base_model.safetensors"))
+    read = []
+    original = reader.BaseWeights.get
+
+    def spy(self, key):
+        read.append(key)
+        return original(self, key)
+
+    monkeypatch.setattr(reader.BaseWeights, "get", spy)
+    report = audit_path(folder, base=folder / "base_model.safetensors", device="cpu")
+    assert report.summary()["errors"] == 0
+    assert sorted(read) == sorted(f"{m.name}.weight" for m in report.modules)
