@@ -63,20 +63,23 @@ def _bt_diag_w(Bc: torch.Tensor, weight: torch.Tensor, fan_in_fan_out: bool) -> 
 
 
 def _norm_and_scale(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out, detach_norm):
-    """(FactoredNorm, g = m / max(n, eps), max(n, eps)), from the norm cache while W, A, B, m
-    are unchanged (the backward reuses max(n, eps) instead of recomputing it)."""
+    """(FactoredNorm, g = m / max(n, eps), max(n, eps)). The norm comes from the norm cache
+    while W, A, B are unchanged; g is recomputed each call (two small kernels), because the
+    magnitude is a trained parameter that tools also write through ``.data`` (gradcheck does),
+    which no version counter sees."""
 
     def compute():
         with torch.no_grad():
-            fn = factored_norm_full(
+            return factored_norm_full(
                 weight, lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out, need_factors=not detach_norm
             )
-            n_safe = torch.clamp_min(fn.norm, EPS)
-            return fn, magnitude.detach().to(fn.norm.dtype) / n_safe, n_safe
 
-    if not detach_norm:  # U and G are needed; not worth caching (training-only mode)
-        return compute()
-    return norm_cache.lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, magnitude=magnitude)
+    if detach_norm:
+        fn = norm_cache.lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute)
+    else:  # U and G are needed; not worth caching (training-only mode)
+        fn = compute()
+    n_safe = torch.clamp_min(fn.norm, EPS)
+    return fn, magnitude.to(fn.norm.dtype) / n_safe, n_safe
 
 
 def _use_triton(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
@@ -119,7 +122,10 @@ def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p
         B = lora_B if lora_B.dtype == cd else lora_B.to(cd)
         lora = (xa @ B.t()).to(acc)
         base_d = base.to(acc) if keep is None else (x_d @ W.t()).to(acc)
-        y = base.to(acc) + (g - 1.0) * base_d + (g * s) * lora
+        if keep is None:  # the stable form: g·z, one product (exactly invariant to row scaling)
+            y = g * (base_d + s * lora)
+        else:
+            y = base.to(acc) + (g - 1.0) * base_d + (g * s) * lora
         if bias is not None:
             y = y + bias.to(acc)
         y = y.to(cd)

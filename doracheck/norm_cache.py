@@ -1,6 +1,6 @@
 """Reuse the DoRA norm while W, A, B and s are unchanged.
 
-The key is, for each of W, A, B (and the magnitude, when the cached value is g = m / n): the tensor's identity, its data pointer and its version
+The key is, for each of W, A, B (and the magnitude, when a caller caches a value that depends on it): the tensor's identity, its data pointer and its version
 counter (bumped by every in-place write through the tensor or a view of it, including
 optimizer steps under no_grad), plus s, the layout flag, shapes, dtypes and device. An
 entry also holds weak references to the three tensors and is dropped when B is freed, so a

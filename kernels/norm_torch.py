@@ -37,9 +37,11 @@ def accumulation_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 def norm_chunk(d_out: int, d_in: int, budget_bytes: int = NORM_CHUNK_BYTES) -> int:
-    """Input features per chunk so that the fp32 W chunk and its square fit ``budget_bytes``."""
+    """Input features per chunk: the fp32 W chunk and its square fit ``budget_bytes`` and
+    take at most 1/16 of the columns (at least 64), so the chunk term 8·d_out·chunk stays at
+    most an eighth of a dense fp32 d_out × d_in temporary."""
     per_column = 8 * max(d_out, 1)
-    return int(max(1, min(d_in, budget_bytes // per_column)))
+    return int(max(1, min(d_in, budget_bytes // per_column, max(64, d_in // 16))))
 
 
 def combine_terms(base: torch.Tensor, cross: torch.Tensor, lora: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -1,20 +1,33 @@
 """doracheck.properties: checks any DoRA implementation against the oracles, with budgets.
 
-The implementation under test is always an argument (a callable with ``dora_linear``'s
-signature); ``doracheck verify`` and the tests use the same functions.
+The implementation under test is always an argument (``props.Implementation``: a callable
+with ``dora_linear``'s signature, optionally a norm function and a module class);
+``doracheck verify`` and the tests run the same functions (``suite.run_suite``).
 """
 
 from .budgets import Budget, all_budgets, budget_for, device_family
-from .oracle_checks import Case, CheckResult, check_forward_backward, check_norm, make_case
+from .problems import KINDS, Problem, cases_for, make_case, make_problem
+from .props import Implementation, baseline_ratio
+from .results import CheckResult
+from .suite import run_suite
+from .unsupported import Unsupported
+
+Case = Problem
 
 __all__ = [
     "Budget",
     "Case",
     "CheckResult",
+    "Implementation",
+    "KINDS",
+    "Problem",
+    "Unsupported",
     "all_budgets",
+    "baseline_ratio",
     "budget_for",
-    "check_forward_backward",
-    "check_norm",
+    "cases_for",
     "device_family",
     "make_case",
+    "make_problem",
+    "run_suite",
 ]

@@ -1,17 +1,25 @@
-"""Tolerance budgets: how far an implementation may be from the fp64 oracle.
+"""Tolerance budgets: how far an implementation may be from the oracle. Data, one row each.
 
-A budget row is keyed by (op, output, dtype, family) and has named fields only. Lookup
-falls back from the exact family to the default row (family ``"*"``). Default rows are
-derived from the unit roundoff u of the dtype with the multiplier written next to them;
-non-default rows cite the measurement that justified them.
-
-Families: cpu, interpreter, sm80, sm89, sm90, sm100, sm120 (see ``device_family``).
+A row is keyed by (op, output, dtype, family) and has named fields only; lookup falls back
+from the exact family to the default row (family "*"). Default rows are derived from the
+unit roundoff u of the dtype with the multiplier written next to them; measured rows cite
+the measurement (device, command, date, observed maximum) that justified them. Every field
+is a finite, small bound: a row that cannot fail is a defect.
 
 Unit roundoff: u(fp32) = 2⁻²⁴ ≈ 6.0e-8, u(bf16) = 2⁻⁸ ≈ 3.9e-3, u(fp16) = 2⁻¹¹ ≈ 4.9e-4.
+Families: cpu, interpreter (Triton under TRITON_INTERPRET=1), sm80, sm89, sm90, sm100, sm120.
+
+Fields:
+  rel_l2       max ||impl - oracle||₂ / ||oracle||₂ over a case
+  ulp          max |impl - exact| in ulps of the output dtype (the compose property)
+  fp32_terms   K in the compose allowance K·u(fp32)·(|b| + |g|·|z|) added to ``ulp``
+  ratio_k      baseline ratio: err(impl) <= ratio_k·err(naive same-precision) + ratio_floor
+  ratio_floor  (relative L2, representation noise)
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -28,48 +36,64 @@ def u(dtype: str) -> float:
 
 @dataclass(frozen=True)
 class Budget:
-    op: str  # "norm" | "forward" | "backward"
-    output: str  # "norm" | "y" | "dx" | "dA" | "dB" | "dm" | "db"
-    dtype: str  # "fp32" | "bf16" | "fp16"  (the activation dtype)
+    op: str  # norm | norm_terms | forward | backward | compose | ratio_forward | ratio_backward | merge | unmerge
+    output: str  # norm | terms | y | dx | dA | dB | dm | db | weight
+    dtype: str  # fp32 | bf16 | fp16 (the activation dtype)
     family: str  # "*" (default) or one of FAMILIES
-    rel_l2: float  # max ||impl - oracle|| / ||oracle|| over a case
-    note: str  # the derivation or the measurement that justified the row
+    note: str  # the derivation or the measurement behind the row
+    rel_l2: float | None = None
+    ulp: float | None = None
+    fp32_terms: float | None = None
+    ratio_k: float | None = None
+    ratio_floor: float | None = None
 
 
 def _default_rows() -> list[Budget]:
     rows: list[Budget] = []
     for dt in DTYPES:
-        # forward: base and lora GEMM outputs are rounded to dt (2 roundings), then the
-        # compose rounds once more: RMS relative error about u each, so 3u of RMS plus
-        # fp32 accumulation (negligible for bf16/fp16; for fp32 it is K·u-sized: 64u).
+        # forward: base and lora GEMM outputs rounded to dt (2 roundings) and the compose
+        # rounds once more: about u each in RMS, so 4u; fp32 adds K·u accumulation: 64u.
         mult = 64.0 if dt == "fp32" else 4.0
-        rows.append(Budget("forward", "y", dt, "*", mult * u(dt), f"default: {mult:g}·u({dt})"))
-        # backward: each gradient is one or two chained GEMMs whose operands were rounded
-        # to dt (dz = g⊙dy, dz·B, xa): about 3-4 roundings of u; 8u for bf16/fp16, 128u fp32.
+        rows.append(Budget("forward", "y", dt, "*", f"default: {mult:g}·u({dt})", rel_l2=mult * u(dt)))
+        # backward: one or two chained GEMMs on operands rounded to dt (dz = g⊙dy, dz·B, xa):
+        # 3-4 roundings; 8u for bf16/fp16, 128u for fp32 (accumulation over K).
         bmult = 128.0 if dt == "fp32" else 8.0
         for out in ("dx", "dA", "dB", "dm", "db"):
-            rows.append(Budget("backward", out, dt, "*", bmult * u(dt), f"default: {bmult:g}·u({dt})"))
-    # norm: always fp32 accumulation whatever the weight dtype (inputs are already
-    # quantized), K = d_in + r terms: rel error of n² ≲ γ_K·cond; for well-conditioned rows
-    # 64·u(fp32) covers K up to a few thousand with random data.
+            rows.append(Budget("backward", out, dt, "*", f"default: {bmult:g}·u({dt})", rel_l2=bmult * u(dt)))
+        # baseline ratio: at most twice the naive same-precision error plus 2u of noise.
+        for op, outs in (("ratio_forward", ("y",)), ("ratio_backward", ("dx", "dA", "dB", "dm", "db"))):
+            for out in outs:
+                rows.append(Budget(op, out, dt, "*", f"default: k = 2, floor = 2·u({dt})", ratio_k=2.0, ratio_floor=2 * u(dt)))
+        # compose near g = 1 on exactly representable intermediates: correctly rounded (0.5
+        # ulp) plus an fp32-sized term, 8·u(fp32)·(|b| + |g|·|z|), for g and the fp32 sums.
+        rows.append(Budget("compose", "y", dt, "*", "design: 0.5 ulp + 8·u(fp32)·(|b| + |g||z|)", ulp=0.5, fp32_terms=8.0))
+        # merge: W' = g ⊙ (W + s·B·A) rounded to W's dtype once, so x·W'ᵀ is off by the
+        # rounding of W' (u relative per element, RMS u/sqrt(3)) plus the forward's own: 8u;
+        # unmerge rounds W'/g - s·B·A once more: 4u of W.
+        rows.append(Budget("merge", "y", dt, "*", f"default: 8·u({dt})", rel_l2=8 * u(dt)))
+        rows.append(Budget("unmerge", "weight", dt, "*", f"default: 4·u({dt})", rel_l2=4 * u(dt)))
+    # norm and its terms: fp32 accumulation whatever the weight dtype (inputs are quantized),
+    # K = d_in + r terms: 64·u(fp32) relative to the magnitude sum base + 2s|cross| + s²·lora.
     for dt in ("fp32", "fp16"):
-        rows.append(Budget("norm", "norm", dt, "*", 64.0 * u("fp32"), "default: 64·u(fp32) (fp32 accumulation)"))
+        rows.append(Budget("norm", "norm", dt, "*", "default: 64·u(fp32) (fp32 accumulation)", rel_l2=64 * u("fp32")))
+        rows.append(Budget("norm_terms", "terms", dt, "*", "default: 64·u(fp32) of the magnitude sum", rel_l2=64 * u("fp32")))
     # bf16 weights with fp32 adapters (PEFT's default): the Triton U = W·Aᵀ runs on bf16
-    # tensor cores with A split into two bf16 halves, so A carries 16 of its 24 bits:
-    # 2⁻¹⁷ relative per product, up to 2⁻¹⁶ on a cross-dominated n². Budget 2⁻¹⁶ = 256·u(fp32);
-    # that is 256x below one bf16 ulp of the output, so g is unaffected at bf16 precision.
-    rows.append(Budget("norm", "norm", "bf16", "*", 256.0 * u("fp32"), "default: 256·u(fp32) = 2^-16 (bf16 hi+lo split of fp32 A)"))
+    # tensor cores with A split into two bf16 halves, so A keeps 16 of its 24 bits: 2⁻¹⁷
+    # relative per product, up to 2⁻¹⁶ on a cross-dominated n². 256x below a bf16 ulp.
+    note = "default: 256·u(fp32) = 2^-16 (bf16 hi+lo split of fp32 A)"
+    rows.append(Budget("norm", "norm", "bf16", "*", note, rel_l2=256 * u("fp32")))
+    rows.append(Budget("norm_terms", "terms", "bf16", "*", note, rel_l2=256 * u("fp32")))
     return rows
 
 
-# Measured rows go here, each with the measurement that justified it, e.g.
-#   Budget("forward", "y", "bf16", "sm90", 0.006, "H200, doracheck calibrate 2026-11-29: max 0.0041 over 64 cases")
+# Measured rows: each cites how it was measured. They override the default for one family.
 MEASURED_ROWS: list[Budget] = [
     # torch's default allow_fp16_reduced_precision_reduction lets cuBLAS reduce split-K partials
     # of x·Wᵀ in fp16; at d_in = 8192, T = 1 (a GEMV) the output then carries ~5u, not ~2u.
     Budget(
-        "forward", "y", "fp16", "sm90", 8.0 * u("fp16"),
+        "forward", "y", "fp16", "sm90",
         "H200 2026-11-29, tests/test_kernels_gpu.py (64x8192 r1024 T1 fp16): measured 2.59e-3 (5.3u) > 4u default",
+        rel_l2=8.0 * u("fp16"),
     ),
 ]
 
@@ -90,8 +114,6 @@ def all_budgets() -> list[Budget]:
 
 def device_family(device: torch.device | str | None = None) -> str:
     """cpu | interpreter | smXY for the given (or current) device."""
-    import os
-
     dev = torch.device(device) if device is not None else None
     if dev is None or dev.type != "cuda":
         return "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "cpu"

@@ -5,7 +5,7 @@ Proves:
   chunk) is within the a-priori fp32 accumulation bound of ``norm_terms_ref`` for float32,
   bfloat16 and float16 weights with fp32 or same-dtype adapters, in both layouts, including a
   row where W cancels s·B·A; ``return_terms=True`` gives fp32 ``NormTerms``.
-- Its peak extra memory, MEASURED op by op (``memory_tracking``), stays within
+- Its peak extra memory, MEASURED op by op (``doracheck.properties.memory``), stays within
   ``norm_memory_bound`` and far below one dense d_out × d_in fp32 temporary; the tracker
   itself is shown to see such a temporary.
 - ``dora_linear`` forward and backward (detached and exact norm, with and without dropout)
@@ -19,8 +19,6 @@ Proves:
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,13 +26,8 @@ import torch
 import doracheck
 import doracheck.dispatch
 from doracheck.kernels import factored_norm_torch, norm_memory_bound
+from doracheck.properties.memory import peak_tensor_bytes
 from doracheck.reference import UNIT_ROUNDOFF, dora_forward_ref, gamma, norm_terms_ref, rel_l2
-
-try:
-    from memory_tracking import peak_tensor_bytes
-except ImportError:  # e.g. --import-mode=importlib: tests/ is not on sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from memory_tracking import peak_tensor_bytes
 
 F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 

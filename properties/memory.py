@@ -77,3 +77,17 @@ def peak_tensor_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Memo
         result = fn(*args, **kwargs)
     tracker._refresh()
     return MemoryReport(tracker.peak, tracker.current, tracker.allocations, tracker.largest, result)
+
+
+def peak_extra_bytes(fn: Callable[[], Any], device: str | torch.device = "cpu") -> int:
+    """Peak bytes ``fn()`` allocates beyond what existed before: the CUDA caching allocator's
+    statistics on a GPU, the dispatch-level tracker above on the CPU."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        start = torch.cuda.memory_allocated(dev)
+        fn()
+        torch.cuda.synchronize(dev)
+        return int(torch.cuda.max_memory_allocated(dev) - start)
+    return peak_tensor_bytes(fn).peak_bytes

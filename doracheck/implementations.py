@@ -1,0 +1,65 @@
+"""The implementations ``doracheck verify`` can judge, as ``doracheck.properties.Implementation``s.
+
+- ``doracheck``: the public API (Triton on CUDA, torch elsewhere), with its norm, module and cache;
+- ``torch``: the same with the pure-torch path forced;
+- ``peft``: PEFT 0.21's own DoRA layer (``doracheck.properties.impl_peft``);
+- ``MODULE:CALLABLE``: any callable with ``dora_linear``'s signature.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from doracheck.properties import Implementation
+
+
+class ImplementationError(Exception):
+    """The --impl spec cannot be resolved (a usage error)."""
+
+
+def doracheck_implementation(path: str | None = None) -> props.Implementation:
+    """doracheck itself (``path`` = "torch" forces the pure-torch path)."""
+    import doracheck
+    from doracheck.dispatch import choose_path, forced_path
+    from doracheck.kernels import norm_memory_bound
+    from doracheck.kernels.settings import triton_norm_memory_bound
+    from doracheck.norm_cache import clear_norm_cache
+
+    def bound(d_out, d_in, r, device="cpu"):
+        on_triton = choose_path(torch.device(device)).name == "triton" and path != "torch"
+        return triton_norm_memory_bound(d_out, d_in, r) if on_triton else norm_memory_bound(d_out, d_in, r)
+
+    wrap = (lambda f: forced_path(path, f)) if path else (lambda f: f)
+    return Implementation(
+        name=path or "doracheck",
+        dora_linear=wrap(doracheck.dora_linear),
+        factored_norm=wrap(doracheck.factored_norm),
+        module_cls=doracheck.DoRALinear,
+        clear_cache=clear_norm_cache,
+        norm_memory_bound=bound,
+    )
+
+
+def resolve(spec: str) -> Implementation:
+    """'doracheck' | 'torch' | 'peft' | 'MODULE:CALLABLE' -> Implementation."""
+    if spec == "doracheck":
+        return doracheck_implementation()
+    if spec == "torch":
+        return doracheck_implementation("torch")
+    if spec == "peft":
+        from doracheck.properties.impl_peft import peft_dora_linear
+
+        return Implementation(name="peft", dora_linear=peft_dora_linear)
+    if ":" not in spec:
+        raise ImplementationError(f"--impl: expected doracheck, torch, peft or MODULE:CALLABLE, got {spec!r}")
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImplementationError(f"--impl: cannot import module {module_name!r}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ImplementationError(f"--impl: {module_name!r} has no callable {attr!r}")
+    return Implementation(name=spec, dora_linear=fn)

@@ -1,0 +1,416 @@
+"""The properties, each a plain function: (implementation, inputs, family) -> [CheckResult].
+
+An implementation is an ``Implementation``: a callable with ``dora_linear``'s signature and,
+optionally, a norm function (``factored_norm``'s signature, ``return_terms=True`` supported)
+and a module class with ``from_linear``/``merge``/``unmerge`` (``DoRALinear``'s API).
+Properties that need a piece the implementation lacks report "n/a"; a mode it does not
+offer (``Unsupported``) is "n/a" with the reason.
+
+ 1 three_term_identity   norm² = base + 2s·cross + s²·lora against the mpmath oracle, each term too
+ 2 norm_memory           the norm's peak extra memory within its declared bound, far below dense
+ 3 compose_near_one      exact intermediates, g = 1 + δ: within 0.5 ulp + an fp32-sized term
+ 4 gradients             gradcheck in fp64 (both norm modes); backward vs the fp64 oracle
+ 5 metamorphic           row scaling of W and B; output permutation; linearity in x
+ 6 baseline_ratio        err(impl) <= k·err(naive same precision) + floor (``baseline_ratio``)
+ 7 merge_unmerge         x·W'ᵀ vs the unmerged forward; unmerge restores W
+ 8 determinism_edges     bitwise repeatability; T = 0, T = 1, zero rows, NaN/Inf, non-contiguous, 3-D
+ 9 no_stale_cache        in-place updates of A, B, W, m are seen by the next call
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from doracheck.reference import (
+    dora_forward_ref,
+    mp_norm_terms,
+    norm_terms_ref,
+    peft_style_dora,
+    rel_l2,
+    ulp_distance,
+    ulp_of,
+)
+from doracheck.reference.oracle_mpmath import MAX_ELEMENTS
+
+from .budgets import DTYPES, budget_for, u
+from .problems import Problem, log_uniform_deltas, make_problem
+from .results import CheckResult
+from .unsupported import Unsupported
+
+GRAD_NAMES = ("dx", "dA", "dB", "dm", "db")
+
+
+@dataclass
+class Implementation:
+    name: str
+    dora_linear: Callable[..., torch.Tensor]
+    factored_norm: Callable[..., object] | None = None
+    module_cls: type | None = None
+    clear_cache: Callable[[], None] | None = None
+    norm_memory_bound: Callable[..., int] | None = None  # (d_out, d_in, r, device) -> bytes it declares
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}[dtype]
+
+
+def _na(prop: str, dtype: str, reason: str) -> CheckResult:
+    return CheckResult(prop, dtype, True, 0.0, 0.0, 0, f"n/a: {reason}", status="n/a")
+
+
+def _result(prop: str, dtype: str, worst: float, budget: float, cases: int, detail: str) -> CheckResult:
+    return CheckResult(prop, dtype, bool(worst <= budget), worst, budget, cases, detail)
+
+
+def _call(impl: Implementation, p: Problem, x=None, **kw):
+    return impl.dora_linear(
+        p.x if x is None else x, p.weight, p.lora_A, p.lora_B, p.magnitude, p.scaling, p.bias, fan_in_fan_out=p.fan_in_fan_out, **kw
+    )
+
+
+# 1 ---------------------------------------------------------------------------------------
+
+
+def three_term_identity(impl: Implementation, problems: list[Problem], family: str) -> list[CheckResult]:
+    """The implementation's terms and norm² against the mpmath oracle (fp64 oracle above
+    MAX_ELEMENTS), errors relative to the magnitude sum base + 2|s·cross| + s²·lora."""
+    dt = _dtype_name(problems[0].x.dtype)
+    if impl.factored_norm is None:
+        return [_na("norm.three_term", dt, "the implementation exposes no norm function")]
+    worst, label = 0.0, ""
+    for p in problems:
+        d_out, d_in = p.weight_rows.shape
+        small = d_out * d_in * (p.lora_A.shape[0] + 1) <= MAX_ELEMENTS
+        W, A, B = (t.detach().cpu() for t in (p.weight, p.lora_A, p.lora_B))
+        exact = (mp_norm_terms if small else norm_terms_ref)(W, A, B, p.scaling, fan_in_fan_out=p.fan_in_fan_out)
+        got = impl.factored_norm(p.weight, p.lora_A, p.lora_B, p.scaling, fan_in_fan_out=p.fan_in_fan_out, return_terms=True)
+        base, cross, lora, norm = (t.detach().double().cpu() for t in got)
+        s = p.scaling
+        scale = exact.base + 2 * abs(s) * exact.cross.abs() + s * s * exact.lora
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        errs = [
+            ((base - exact.base).abs() / scale).max(),
+            ((2 * s * (cross - exact.cross)).abs() / scale).max(),
+            ((s * s * (lora - exact.lora)).abs() / scale).max(),
+            ((norm * norm - exact.norm * exact.norm).abs() / scale).max(),
+        ]
+        err = max(float(e) for e in errs) if d_out else 0.0
+        if not (err <= worst):
+            worst, label = err, p.label
+    budget = budget_for("norm_terms", "terms", dt, family).rel_l2
+    return [_result("norm.three_term", dt, worst, budget, len(problems), f"worst: {label}")]
+
+
+# 2 ---------------------------------------------------------------------------------------
+
+
+def norm_memory(impl: Implementation, dtype: torch.dtype, family: str, device="cpu", bound: Callable | None = None) -> list[CheckResult]:
+    """Peak extra memory of the norm (CUDA allocator statistics, or a tensor-allocation
+    tracker on the CPU) within the implementation's declared bound and below a quarter of a
+    dense fp32 d_out × d_in temporary. Shape 4096 × 8192, r = 16."""
+    from .memory import peak_extra_bytes
+
+    dt = _dtype_name(dtype)
+    if impl.factored_norm is None:
+        return [_na("norm.memory", dt, "the implementation exposes no norm function")]
+    d_out, d_in, r = 4096, 8192, 16
+    gen = torch.Generator().manual_seed(0)
+    W = torch.randn(d_out, d_in, generator=gen).to(device=device, dtype=dtype)
+    A = torch.randn(r, d_in, generator=gen).to(device=device, dtype=dtype)
+    B = torch.randn(d_out, r, generator=gen).to(device=device, dtype=dtype)
+    peak = peak_extra_bytes(lambda: impl.factored_norm(W, A, B, 2.0), device)
+    dense = 4 * d_out * d_in
+    limit = min(dense / 4, bound(d_out, d_in, r, device) if bound else dense / 4)
+    return [_result("norm.memory", dt, float(peak), float(limit), 1, f"peak {peak / 2**20:.1f} MiB, limit {limit / 2**20:.1f} MiB, dense fp32 {dense / 2**20:.0f} MiB")]
+
+
+# 3 ---------------------------------------------------------------------------------------
+
+
+def compose_problem(dtype: torch.dtype, d_out: int = 64, d_in: int = 32, seed: int = 0, device="cpu") -> Problem:
+    """A problem whose GEMM outputs are exact in any dtype: x rows are one-hot, r = 1, A's
+    entries are powers of two, s = 2; so x·Wᵀ = W[:, j] and s·(x·Aᵀ)·Bᵀ = 2·A_j·B exactly,
+    and only the compose rounds. g = 1 + δ with |δ| log-uniform over [1e-7, 1e-1]."""
+    gen = torch.Generator().manual_seed(seed)
+    W = (torch.randn(d_out, d_in, generator=gen) / d_in**0.5).to(dtype)
+    B = (torch.randn(d_out, 1, generator=gen) * 0.5).to(dtype)
+    A = torch.pow(2.0, torch.randint(-3, 4, (1, d_in), generator=gen).to(torch.float64)).to(dtype)
+    x = torch.eye(d_in, dtype=torch.float64)[torch.randperm(d_in, generator=gen)[: min(d_in, 24)]].to(dtype)
+    n = norm_terms_ref(W, A, B, 2.0).norm
+    m = (n * (1 + log_uniform_deltas(d_out, gen))).to(torch.float32)
+    b = (torch.randn(d_out, generator=gen) * 0.5).to(dtype)
+    p = Problem(x, W, A, B, m, 2.0, b, False, f"compose one-hot {d_out}x{d_in} {str(dtype)[6:]} seed{seed}")
+    return p.to(device) if torch.device(device).type != "cpu" else p
+
+
+def compose_error_ulps(y: torch.Tensor, p: Problem, fp32_terms: float) -> torch.Tensor:
+    """(|y - exact| - fp32 allowance) / ulp(exact), elementwise; <= 0.5 passes."""
+    args = [t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in p.args()]
+    exact = dora_forward_ref(*args, fan_in_fan_out=p.fan_in_fan_out)
+    W, A, B = (t.detach().cpu().double() for t in (p.weight_rows, p.lora_A, p.lora_B))
+    x = p.x.detach().cpu().double()
+    z = x @ W.t() + p.scaling * (x @ A.t()) @ B.t()
+    g = p.magnitude.detach().cpu().double() / norm_terms_ref(W, A, B, p.scaling).norm.clamp_min(1e-12)
+    terms = g.abs() * z.abs() + (p.bias.detach().cpu().double().abs() if p.bias is not None else 0)
+    allowance = fp32_terms * u("fp32") * terms
+    err = (y.detach().cpu().double() - exact).abs() - allowance
+    return torch.clamp_min(err, 0) / ulp_of(exact, y.dtype)
+
+
+def compose_near_one(impl: Implementation, dtype: torch.dtype, family: str, seeds=(0, 1, 2), device="cpu") -> list[CheckResult]:
+    dt = _dtype_name(dtype)
+    budget = budget_for("compose", "y", dt, family)
+    worst, label = 0.0, ""
+    for seed in seeds:
+        p = compose_problem(dtype, seed=seed, device=device)
+        with torch.no_grad():
+            y = _call(impl, p)
+        err = float(compose_error_ulps(y, p, budget.fp32_terms).max())
+        if not (err <= worst):
+            worst, label = err, p.label
+    return [_result("compose.near_one", dt, worst, budget.ulp, len(seeds), f"ulps beyond the fp32 allowance; worst: {label}")]
+
+
+# 4 ---------------------------------------------------------------------------------------
+
+
+def _leaves(p: Problem, cast):
+    return [cast(t).requires_grad_() for t in (p.x, p.lora_A, p.lora_B, p.magnitude, p.bias)]
+
+
+def _grads(fn, p: Problem, dy: torch.Tensor, cast, **kw):
+    leaves = _leaves(p, cast)
+    y = fn(leaves[0], p.weight, leaves[1], leaves[2], leaves[3], p.scaling, leaves[4], fan_in_fan_out=p.fan_in_fan_out, **kw)
+    return y.detach(), torch.autograd.grad(y, leaves, dy.to(y.dtype))
+
+
+def gradcheck_fp64(impl: Implementation, family: str) -> list[CheckResult]:
+    """torch.autograd.gradcheck in fp64 for x, A, B, m, b (detach_norm False) and x, m, b
+    (detach_norm True: the norm is a constant there, so A and B are checked against the
+    oracle's autograd instead, in ``backward_vs_oracle``)."""
+    results = []
+    p = make_problem(5, 7, 3, (2, 3), torch.float64, seed=3)
+    for detach in (True, False):
+        prop = f"grad.gradcheck_detach_{str(detach).lower()}"
+        W = p.weight.detach()
+        A0, B0 = p.lora_A.detach(), p.lora_B.detach()
+        if detach:  # the norm is a constant: A and B are judged against the oracle instead
+
+            def f(x, m, b):
+                return impl.dora_linear(x, W, A0, B0, m, p.scaling, b, detach_norm=True)
+
+            leaves = [t.detach().clone().requires_grad_() for t in (p.x, p.magnitude, p.bias)]
+        else:
+
+            def f(x, A, B, m, b):
+                return impl.dora_linear(x, W, A, B, m, p.scaling, b, detach_norm=False)
+
+            leaves = [t.detach().clone().requires_grad_() for t in (p.x, p.lora_A, p.lora_B, p.magnitude, p.bias)]
+        try:
+            ok = torch.autograd.gradcheck(f, tuple(leaves), raise_exception=False, eps=1e-6, atol=1e-8, rtol=1e-6)
+        except Unsupported as exc:
+            results.append(_na(prop, "fp64", str(exc)))
+            continue
+        results.append(CheckResult(prop, "fp64", bool(ok), 0.0 if ok else 1.0, 0.0, 1, "gradcheck eps 1e-6, atol 1e-8, rtol 1e-6"))
+    return results
+
+
+def backward_vs_oracle(impl: Implementation, problems: list[Problem], family: str) -> list[CheckResult]:
+    """Forward y and the gradients of x, A, B, m, b against the fp64 oracle (relative L2)."""
+    dt = _dtype_name(problems[0].x.dtype)
+    worst: dict[str, tuple[float, str]] = {}
+    for i, p in enumerate(problems):
+        gen = torch.Generator().manual_seed(1000 + i)
+        dy = torch.randn(*p.x.shape[:-1], p.weight_rows.shape[0], generator=gen).to(p.x.device, p.x.dtype)
+        y, grads = _grads(impl.dora_linear, p, dy, lambda t: t.detach().clone())
+        y_ref, grads_ref = _grads(dora_forward_ref, p, dy, lambda t: t.detach().double())
+        errors = {"forward.y": rel_l2(y, y_ref)}
+        errors.update({f"backward.{k}": rel_l2(a, b) for k, a, b in zip(GRAD_NAMES, grads, grads_ref)})
+        for prop, err in errors.items():
+            if prop not in worst or not (err <= worst[prop][0]):
+                worst[prop] = (err, p.label)
+    out = []
+    for prop, (err, label) in worst.items():
+        op, output = prop.split(".")
+        out.append(_result(prop, dt, err, budget_for(op, output, dt, family).rel_l2, len(problems), f"worst: {label}"))
+    return out
+
+
+# 5 ---------------------------------------------------------------------------------------
+
+
+def metamorphic(impl: Implementation, p: Problem, family: str) -> list[CheckResult]:
+    """Row i of W and of B scaled by 4 (exact): y unchanged (<= 1 ulp). Output features
+    permuted: y permuted (<= 1 ulp). x = x1 + x2 with disjoint supports (exact): y - b
+    additive within 3× the forward budget."""
+    dt = _dtype_name(p.x.dtype)
+    d_out = p.weight_rows.shape[0]
+    with torch.no_grad():
+        y = _call(impl, p)
+        rows = p.weight_rows.clone()
+        B = p.lora_B.clone()
+        scaled = torch.arange(d_out, device=B.device) % 3 == 0
+        rows[scaled] *= 4
+        B[scaled] *= 4
+        W_scaled = rows.t().contiguous() if p.fan_in_fan_out else rows
+        y_scaled = impl.dora_linear(p.x, W_scaled, p.lora_A, B, p.magnitude, p.scaling, p.bias, fan_in_fan_out=p.fan_in_fan_out)
+        scale_err = float(ulp_distance(y_scaled, y).max()) if y.numel() else 0.0
+        perm = torch.randperm(d_out, generator=torch.Generator().manual_seed(5)).to(B.device)
+        rows_p = p.weight_rows[perm]
+        W_perm = rows_p.t().contiguous() if p.fan_in_fan_out else rows_p.contiguous()
+        y_perm = impl.dora_linear(
+            p.x, W_perm, p.lora_A, p.lora_B[perm], p.magnitude[perm], p.scaling, None if p.bias is None else p.bias[perm],
+            fan_in_fan_out=p.fan_in_fan_out,
+        )
+        perm_err = float(ulp_distance(y_perm, y[..., perm]).max()) if y.numel() else 0.0
+        cols = torch.arange(p.x.shape[-1], device=p.x.device) % 2 == 0
+        x1 = torch.where(cols, p.x, torch.zeros_like(p.x))
+        x2 = p.x - x1
+        b = 0 if p.bias is None else p.bias.double()
+        lhs = _call(impl, p).double() - b
+        rhs = (_call(impl, p, x=x1).double() - b) + (_call(impl, p, x=x2).double() - b)
+        lin_err = rel_l2(lhs, rhs)
+    fwd = budget_for("forward", "y", dt, family).rel_l2
+    return [
+        _result("meta.row_scaling", dt, scale_err, 1.0, 1, "ulp distance, rows of W and B ×4"),
+        _result("meta.permutation", dt, perm_err, 1.0, 1, "ulp distance, output features permuted"),
+        _result("meta.linearity", dt, lin_err, 3 * fwd, 1, "rel L2 of y(x1+x2)-b vs (y(x1)-b)+(y(x2)-b)"),
+    ]
+
+
+# 6 ---------------------------------------------------------------------------------------
+
+
+def baseline_ratio(name: str, impl_out: torch.Tensor, naive_out: torch.Tensor, exact: torch.Tensor, k: float, floor: float) -> CheckResult:
+    """err(impl) <= k·err(naive) + floor, errors in relative L2 against ``exact``.
+
+    The diagnostic names both errors, k, the floor and the worst element of the implementation."""
+    err_impl = rel_l2(impl_out, exact)
+    err_naive = rel_l2(naive_out, exact)
+    limit = k * err_naive + floor
+    diff = (impl_out.detach().double().cpu() - exact.detach().double().cpu()).abs()
+    worst_index = tuple(int(i) for i in torch.unravel_index(torch.argmax(torch.nan_to_num(diff, nan=math.inf)), diff.shape)) if diff.numel() else ()
+    detail = f"err(impl) {err_impl:.3e}, err(naive) {err_naive:.3e}, k {k:g}, floor {floor:.2e}, worst element {worst_index}"
+    return CheckResult(name, "", bool(err_impl <= limit), err_impl, limit, 1, detail)
+
+
+def baseline_ratio_checks(impl: Implementation, problems: list[Problem], family: str) -> list[CheckResult]:
+    """Forward and every gradient against the PEFT-style eager DoRA in the same dtype."""
+    dt = _dtype_name(problems[0].x.dtype)
+    worst: dict[str, CheckResult] = {}
+    for i, p in enumerate(problems):
+        gen = torch.Generator().manual_seed(2000 + i)
+        dy = torch.randn(*p.x.shape[:-1], p.weight_rows.shape[0], generator=gen).to(p.x.device, p.x.dtype)
+        y, grads = _grads(impl.dora_linear, p, dy, lambda t: t.detach().clone())
+        y_n, grads_n = _grads(peft_style_dora, p, dy, lambda t: t.detach().clone())
+        y_r, grads_r = _grads(dora_forward_ref, p, dy, lambda t: t.detach().double())
+        pairs = [("ratio_forward", "y", y, y_n, y_r)] + [
+            ("ratio_backward", k, a, b, c) for k, a, b, c in zip(GRAD_NAMES, grads, grads_n, grads_r)
+        ]
+        for op, out, a, b, c in pairs:
+            bud = budget_for(op, out, dt, family)
+            res = baseline_ratio(f"{op.replace('ratio_', 'ratio.')}.{out}", a, b, c, bud.ratio_k, bud.ratio_floor)
+            res.dtype = dt
+            res.detail += f"; {p.label}"
+            key = res.prop
+            if key not in worst or (res.worst - res.budget) > (worst[key].worst - worst[key].budget):
+                worst[key] = res
+    for r in worst.values():
+        r.cases = len(problems)
+    return list(worst.values())
+
+
+# 7 ---------------------------------------------------------------------------------------
+
+
+def merge_unmerge(impl: Implementation, dtype: torch.dtype, family: str, device="cpu") -> list[CheckResult]:
+    dt = _dtype_name(dtype)
+    if impl.module_cls is None:
+        return [_na("merge.forward", dt, "the implementation exposes no module with merge/unmerge")]
+    gen = torch.Generator().manual_seed(7)
+    linear = torch.nn.Linear(48, 40).to(device=device, dtype=dtype)
+    layer = impl.module_cls.from_linear(linear, r=8, lora_alpha=16)
+    with torch.no_grad():
+        layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=gen).to(layer.lora_B) * 0.1)
+        layer.magnitude.mul_(1 + 0.05 * torch.randn(layer.magnitude.shape, generator=gen).to(layer.magnitude))
+    layer.eval()
+    x = torch.randn(6, 48, generator=gen).to(device=device, dtype=dtype)
+    W0 = layer.weight.detach().clone()
+    with torch.no_grad():
+        y_ref = dora_forward_ref(x, W0, layer.lora_A, layer.lora_B, layer.magnitude, layer.scaling, layer.bias)
+        layer.merge()
+        y_merged = layer(x)
+        layer.unmerge()
+    return [
+        _result("merge.forward", dt, rel_l2(y_merged, y_ref), budget_for("merge", "y", dt, family).rel_l2, 1, "x·W'ᵀ + b vs the unmerged fp64 forward"),
+        _result("merge.unmerge", dt, rel_l2(layer.weight, W0), budget_for("unmerge", "weight", dt, family).rel_l2, 1, "W after merge + unmerge vs W"),
+    ]
+
+
+# 8 ---------------------------------------------------------------------------------------
+
+
+def determinism_edges(impl: Implementation, dtype: torch.dtype, family: str, device="cpu") -> list[CheckResult]:
+    dt = _dtype_name(dtype)
+    p = make_problem(17, 23, 5, (3, 7), dtype, seed=11, device=device)
+    dy = torch.randn(3, 7, 17, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
+    y1, g1 = _grads(impl.dora_linear, p, dy, lambda t: t.detach().clone())
+    y2, g2 = _grads(impl.dora_linear, p, dy, lambda t: t.detach().clone())
+    same = torch.equal(y1, y2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+    results = [CheckResult("edge.bitwise_repeat", dt, same, 0.0 if same else 1.0, 0.0, 1, "two identical calls, y and grads")]
+    with torch.no_grad():
+        y = _call(impl, p)
+        empty = impl.dora_linear(p.x[:, :0], p.weight, p.lora_A, p.lora_B, p.magnitude, p.scaling, p.bias)
+        one = impl.dora_linear(p.x[0, :1], p.weight, p.lora_A, p.lora_B, p.magnitude, p.scaling, p.bias)
+        shapes_ok = tuple(empty.shape) == (3, 0, 17) and tuple(one.shape) == (1, 17)
+        one_err = rel_l2(one, y[0, :1])
+        nc = impl.dora_linear(p.x.transpose(0, 1), p.weight, p.lora_A, p.lora_B, p.magnitude, p.scaling, p.bias)
+        nc_err = rel_l2(nc, y.transpose(0, 1))
+        flat = impl.dora_linear(p.x.reshape(-1, 23), p.weight, p.lora_A, p.lora_B, p.magnitude, p.scaling, p.bias)
+        flat_err = rel_l2(flat, y.reshape(-1, 17))
+        W = p.weight_rows.clone()
+        B = p.lora_B.clone()
+        W[4] = 0
+        B[4] = 0
+        W = W.t().contiguous() if p.fan_in_fan_out else W
+        yz = impl.dora_linear(p.x, W, p.lora_A, B, p.magnitude, p.scaling, None, fan_in_fan_out=p.fan_in_fan_out)
+        x = p.x.clone()
+        x[1, 2, 3] = float("nan")
+        x[2, 5, 0] = float("inf")
+        yn = _call(impl, p, x=x)
+        bad = ~torch.isfinite(x).all(-1)
+    fwd = budget_for("forward", "y", dt, family).rel_l2
+    zero_ok = bool((yz[..., 4] == 0).all())
+    nan_ok = bool((~torch.isfinite(yn[bad])).all()) and bool(torch.isfinite(yn[~bad]).all())
+    results += [
+        CheckResult("edge.shapes_T0_T1", dt, shapes_ok, 0.0 if shapes_ok else 1.0, 0.0, 1, "T = 0 gives (..., 0, d_out); T = 1 works"),
+        _result("edge.T1_consistent", dt, one_err, fwd, 1, "y(x[:1]) vs y(x)[:1]"),
+        _result("edge.noncontiguous", dt, nc_err, fwd, 1, "transposed (non-contiguous) x"),
+        _result("edge.3d", dt, flat_err, fwd, 1, "3-D x vs flattened"),
+        CheckResult("edge.zero_row", dt, zero_ok, 0.0 if zero_ok else 1.0, 0.0, 1, "a zero row of W and B gives 0, not NaN"),
+        CheckResult("edge.nan_inf", dt, nan_ok, 0.0 if nan_ok else 1.0, 0.0, 1, "NaN/Inf in x reach that row only"),
+    ]
+    return results
+
+
+# 9 ---------------------------------------------------------------------------------------
+
+
+def no_stale_cache(impl: Implementation, dtype: torch.dtype, family: str, device="cpu") -> list[CheckResult]:
+    """In-place updates (A, B, W, m, each ×1.25 under no_grad) must be seen by the next call."""
+    dt = _dtype_name(dtype)
+    p = make_problem(24, 40, 8, 6, dtype, seed=21, device=device)
+    W, A, B, m = (t.clone() for t in (p.weight, p.lora_A, p.lora_B, p.magnitude))
+    worst = 0.0
+    for t in (A, B, W, m):
+        with torch.no_grad():
+            impl.dora_linear(p.x, W, A, B, m, p.scaling, p.bias)  # populate any cache
+            t.mul_(1.25)
+            y = impl.dora_linear(p.x, W, A, B, m, p.scaling, p.bias)
+            ref = dora_forward_ref(p.x, W, A, B, m, p.scaling, p.bias)
+        worst = max(worst, rel_l2(y, ref))
+    return [_result("cache.no_stale", dt, worst, budget_for("forward", "y", dt, family).rel_l2, 4, "after in-place updates of A, B, W, m")]
