@@ -19,7 +19,7 @@ class ImplementationError(Exception):
     """The --impl spec cannot be resolved (a usage error)."""
 
 
-def doracheck_implementation(path: str | None = None) -> props.Implementation:
+def doracheck_implementation(path: str | None = None) -> Implementation:
     """doracheck itself (``path`` = "torch" forces the pure-torch path)."""
     import doracheck
     from doracheck.dispatch import choose_path, forced_path

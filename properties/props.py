@@ -200,13 +200,13 @@ def gradcheck_fp64(impl: Implementation, family: str) -> list[CheckResult]:
         A0, B0 = p.lora_A.detach(), p.lora_B.detach()
         if detach:  # the norm is a constant: A and B are judged against the oracle instead
 
-            def f(x, m, b):
+            def f(x, m, b, W=W, A0=A0, B0=B0):
                 return impl.dora_linear(x, W, A0, B0, m, p.scaling, b, detach_norm=True)
 
             leaves = [t.detach().clone().requires_grad_() for t in (p.x, p.magnitude, p.bias)]
         else:
 
-            def f(x, A, B, m, b):
+            def f(x, A, B, m, b, W=W):
                 return impl.dora_linear(x, W, A, B, m, p.scaling, b, detach_norm=False)
 
             leaves = [t.detach().clone().requires_grad_() for t in (p.x, p.lora_A, p.lora_B, p.magnitude, p.bias)]

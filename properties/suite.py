@@ -16,10 +16,10 @@ from .results import CheckResult
 from .unsupported import Unsupported
 
 
-def _guard(name: str, dtype: str, fn: Callable[[], list[CheckResult]]) -> list[CheckResult]:
+def _guard(name: str, dtype: str, fn: Callable[..., list[CheckResult]], *args, **kwargs) -> list[CheckResult]:
     """Run one property; a mode the implementation lacks becomes n/a, an exception a failure."""
     try:
-        return fn()
+        return fn(*args, **kwargs)
     except Unsupported as exc:
         return [CheckResult(name, dtype, True, 0.0, 0.0, 0, f"n/a: {exc}", status="n/a")]
     except Exception as exc:  # noqa: BLE001 (a crash of the implementation is a failed property)
@@ -37,24 +37,24 @@ def run_suite(
     results: list[CheckResult] = []
     say = progress or (lambda _msg: None)
     say("gradcheck (fp64)")
-    results += _guard("grad.gradcheck", "fp64", lambda: props.gradcheck_fp64(impl, family))
+    results += _guard("grad.gradcheck", "fp64", props.gradcheck_fp64, impl, family)
     for dt in dtypes:
         dtype = DTYPES[dt]
         problems = cases_for(dtype, device, profile)
         small = [make_problem(7, 13, 3, 4, dtype, seed=1, device=device),
                  make_problem(9, 11, 3, 4, dtype, seed=2, kind="cancel", device=device)]
         say(f"{dt}: norm")
-        results += _guard("norm.three_term", dt, lambda: props.three_term_identity(impl, small, family))
-        results += _guard("norm.memory", dt, lambda: props.norm_memory(impl, dtype, family, device, impl.norm_memory_bound))
+        results += _guard("norm.three_term", dt, props.three_term_identity, impl, small, family)
+        results += _guard("norm.memory", dt, props.norm_memory, impl, dtype, family, device, impl.norm_memory_bound)
         say(f"{dt}: compose near g = 1")
-        results += _guard("compose.near_one", dt, lambda: props.compose_near_one(impl, dtype, family, device=device))
+        results += _guard("compose.near_one", dt, props.compose_near_one, impl, dtype, family, device=device)
         say(f"{dt}: forward and backward against the fp64 oracle")
-        results += _guard("forward", dt, lambda: props.backward_vs_oracle(impl, problems, family))
+        results += _guard("forward", dt, props.backward_vs_oracle, impl, problems, family)
         say(f"{dt}: metamorphic relations and baseline ratio")
-        results += _guard("meta", dt, lambda: props.metamorphic(impl, problems[1], family))
-        results += _guard("ratio", dt, lambda: props.baseline_ratio_checks(impl, problems, family))
+        results += _guard("meta", dt, props.metamorphic, impl, problems[1], family)
+        results += _guard("ratio", dt, props.baseline_ratio_checks, impl, problems, family)
         say(f"{dt}: merge, edges, cache")
-        results += _guard("merge", dt, lambda: props.merge_unmerge(impl, dtype, family, device))
-        results += _guard("edge", dt, lambda: props.determinism_edges(impl, dtype, family, device))
-        results += _guard("cache.no_stale", dt, lambda: props.no_stale_cache(impl, dtype, family, device))
+        results += _guard("merge", dt, props.merge_unmerge, impl, dtype, family, device)
+        results += _guard("edge", dt, props.determinism_edges, impl, dtype, family, device)
+        results += _guard("cache.no_stale", dt, props.no_stale_cache, impl, dtype, family, device)
     return results
