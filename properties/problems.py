@@ -33,6 +33,7 @@ class Problem:
     bias: torch.Tensor | None
     fan_in_fan_out: bool
     label: str
+    kind: str = "random"
 
     @property
     def weight_rows(self) -> torch.Tensor:
@@ -98,17 +99,26 @@ def make_problem(
         rows = torch.pow(2.0, torch.randint(-12, 13, (d_out, 1), generator=gen).to(torch.float64))
         W, B = W * rows, B * rows
     elif kind == "cancel":
+        # Half the rows: W_i = -s·(B·A)_i + ε·(its own random row), ε in [1e-2, 1e-1], so
+        # n_i is 10-100x below ||W_i|| (κ about 1e2 to 1e4): hard, within the factored
+        # norm's reach in fp32 (its error grows like u·κ, see budgets.cond_k).
         half = torch.arange(d_out) % 2 == 0
         A_q = A.to(adapter_dtype).to(torch.float64)
         B_q = B.to(adapter_dtype).to(torch.float64)
-        W[half] = -scaling * (B_q[half] @ A_q) + 1e-3 * W[half] * d_in**-0.5
+        lora_rows = -scaling * (B_q[half] @ A_q)
+        eps = torch.pow(10.0, -1 - torch.rand(int(half.sum()), 1, generator=gen, dtype=torch.float64))
+        rows_norm = lora_rows.norm(dim=1, keepdim=True).clamp_min(1e-30)
+        noise = torch.randn(lora_rows.shape, generator=gen, dtype=torch.float64)
+        W[half] = lora_rows + eps * rows_norm * noise / noise.norm(dim=1, keepdim=True).clamp_min(1e-30)
     elif kind == "zero_rows":
         zero = torch.rand(d_out, generator=gen) < 0.25
         zero[0] = True
         W[zero] = 0
         B[zero] = 0
     elif kind == "near_limits":
-        big = 2.0 ** (torch.finfo(dtype).maxexp // 2 - 4)
+        # W towards the top of the dtype's range (fp16: entries up to ~2^11; fp32/bf16: 2^60,
+        # as far as n² = Σ W² still fits fp32), x scaled down so the output stays O(1).
+        big = 2.0 ** min(math.floor(math.log2(torch.finfo(dtype).max)) - 6, 60)
         W, x = W * big, x / big
     W_q = W.to(dtype)
     A_q, B_q = A.to(adapter_dtype), B.to(adapter_dtype)
@@ -117,7 +127,7 @@ def make_problem(
     b = randn(d_out, scale=0.1).to(dtype) if with_bias else None
     stored = W_q.t().contiguous() if fan_in_fan_out else W_q
     label = f"{kind} {d_out}x{d_in} r{r} T{lead} {str(dtype)[6:]}/{str(adapter_dtype)[6:]}{' fifo' if fan_in_fan_out else ''} seed{seed}"
-    problem = Problem(x.to(dtype), stored, A_q, B_q, m, scaling, b, fan_in_fan_out, label)
+    problem = Problem(x.to(dtype), stored, A_q, B_q, m, scaling, b, fan_in_fan_out, label, kind)
     return problem.to(device) if torch.device(device).type != "cpu" else problem
 
 
@@ -140,6 +150,8 @@ def cases_for(dtype: torch.dtype, device, profile: str = "quick") -> list[Proble
             cases.append(make_case(d_out, d_in, r, t, dtype, seed=100 * seed + i, device=device))
         if dtype != torch.float32:  # PEFT's default: fp32 adapters under low-precision activations
             cases.append(make_case(24, 40, 8, 6, dtype, adapter_dtype=torch.float32, seed=7 + seed, device=device))
+    for j, kind in enumerate(("dynamic_range", "fresh", "zero_rows", "cancel")):
+        cases.append(make_problem(19, 29, 4, 5, dtype, kind=kind, seed=300 + j, device=device, fan_in_fan_out=j == 1))
     if profile == "full":
         for j, kind in enumerate(KINDS):
             cases.append(make_problem(33, 47, 6, 9, dtype, kind=kind, seed=500 + j, device=device, fan_in_fan_out=j % 2 == 1))

@@ -1,0 +1,126 @@
+"""The property suite as pytest sees it: hypothesis-driven properties on the torch path (and
+the Triton kernels under the interpreter where CI has no GPU), sharpness of the compose
+property, and the budgets file's own sanity.
+
+hypothesis runs with the "ci" profile from conftest (derandomized, bounded, no deadline).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import doracheck
+from doracheck.dispatch import use_path
+from doracheck.implementations import doracheck_implementation
+from doracheck.properties import Implementation, all_budgets, device_family, props
+from doracheck.properties.strategies import problems
+from doracheck.reference import naive_compose, peft_style_dora
+
+FAMILY = device_family("cpu")
+IMPL = doracheck_implementation("torch")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _assert_all(results):
+    bad = [r for r in results if r.status == "FAIL"]
+    assert not bad, "; ".join(f"{r.prop}[{r.dtype}] {r.worst:.3e} > {r.budget:.3e}: {r.detail}" for r in bad)
+
+
+@given(problems(max_dim=40, kinds=("random", "fresh", "dynamic_range", "zero_rows", "near_limits")))
+def test_forward_backward_within_budget(problem):
+    _assert_all(props.backward_vs_oracle(IMPL, [problem], FAMILY))
+
+
+@given(problems(max_dim=24, dtypes=(torch.float32, torch.bfloat16)))
+def test_baseline_ratio(problem):
+    _assert_all(props.baseline_ratio_checks(IMPL, [problem], FAMILY))
+
+
+@given(problems(max_dim=12, max_rank=4, tokens=(1, 3)))
+def test_three_term_identity_against_mpmath(problem):
+    _assert_all(props.three_term_identity(IMPL, [problem], FAMILY))
+
+
+@given(problems(max_dim=32, kinds=("random", "fresh", "dynamic_range", "zero_rows")))
+def test_metamorphic_relations(problem):
+    _assert_all(props.metamorphic(IMPL, problem, FAMILY))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@given(seed=st.integers(0, 2**16))
+def test_compose_within_half_ulp_near_one(dtype, seed):
+    _assert_all(props.compose_near_one(IMPL, dtype, FAMILY, seeds=(seed,)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_compose_property_is_sharp(dtype):
+    """The naive low-precision compose (g rounded to the dtype) and PEFT's form both violate
+    the 0.5-ulp property on the same problems, so passing it means something."""
+    budget = props.budget_for("compose", "y", props._dtype_name(dtype), FAMILY)
+    p = props.compose_problem(dtype, seed=2)
+    naive = Implementation("peft-style", peft_style_dora)
+    with torch.no_grad():
+        y_peft = props._call(naive, p)
+        W, A, B = p.weight.double(), p.lora_A.double(), p.lora_B.double()
+        base = (p.x.double() @ W.t()).to(dtype)
+        lora = ((p.x.double() @ A.t()) @ B.t()).to(dtype)
+        n = torch.linalg.norm(W + 2.0 * B @ A, dim=1)
+        y_naive = naive_compose(base, lora, p.magnitude.double() / n, 2.0, p.bias)
+    assert float(props.compose_error_ulps(y_peft, p, budget.fp32_terms).max()) > 4 * budget.ulp
+    assert float(props.compose_error_ulps(y_naive, p, budget.fp32_terms).max()) > 4 * budget.ulp
+    _assert_all(props.compose_near_one(IMPL, dtype, FAMILY, seeds=(2,)))
+
+
+def test_gradcheck_both_norm_modes():
+    _assert_all(props.gradcheck_fp64(IMPL, FAMILY))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_merge_edges_cache_memory(dtype):
+    _assert_all(props.merge_unmerge(IMPL, dtype, FAMILY))
+    _assert_all(props.determinism_edges(IMPL, dtype, FAMILY))
+    _assert_all(props.no_stale_cache(IMPL, dtype, FAMILY))
+
+
+def test_norm_memory_within_declared_bound_and_far_below_dense():
+    _assert_all(props.norm_memory(IMPL, torch.bfloat16, FAMILY, "cpu", IMPL.norm_memory_bound))
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the Triton path natively (gpu tests)")
+def test_triton_kernels_under_interpreter_pass_core_properties():
+    impl = doracheck_implementation("triton")
+    for dtype in (torch.float32, torch.bfloat16):
+        p = props.make_problem(13, 21, 4, (2, 3), dtype, seed=5)
+        with use_path("triton"):
+            _assert_all(props.backward_vs_oracle(impl, [p], "interpreter"))
+            _assert_all(props.compose_near_one(impl, dtype, "interpreter", seeds=(1,)))
+            _assert_all(props.three_term_identity(impl, [props.make_problem(7, 9, 3, 2, dtype, seed=6)], "interpreter"))
+
+
+def test_budget_rows_can_fail():
+    """Every bound is finite and small (none that cannot fail), and each row says where it came from."""
+    for b in all_budgets():
+        assert b.note, b
+        for name in ("rel_l2", "ulp", "fp32_terms", "ratio_k", "ratio_floor"):
+            value = getattr(b, name)
+            if value is None:
+                continue
+            assert math.isfinite(value) and value >= 0, (b, name)
+        if b.rel_l2 is not None:
+            assert b.rel_l2 < 0.05, b
+        if b.ulp is not None:
+            assert b.ulp <= 1.0, b
+        if b.ratio_k is not None:
+            assert b.ratio_k <= 8 and b.ratio_floor < 0.05, b
+        if b.family != "*":
+            assert any(tag in b.note for tag in ("measured", "calibrate", "H200")), f"measured row without its measurement: {b}"
+
+
+def test_public_api_is_what_verify_runs():
+    assert IMPL.factored_norm is not None and IMPL.module_cls is doracheck.DoRALinear
