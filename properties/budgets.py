@@ -93,6 +93,28 @@ def _default_rows() -> list[Budget]:
 
 # Measured rows: each cites how it was measured. They override the default for one family.
 MEASURED_ROWS: list[Budget] = [
+    # cpu (the torch path on this project's 2-core x86_64 machines): `doracheck calibrate --cases 96`
+    # on 2026-11-29, shapes 1..96, T 1..32, all kinds but cancel; proposed = 2x the observed max.
+    # Tiny problems make rel L2 noisy (dm of a few tokens is a short, cancelling sum), which is
+    # why dm in bf16 comes out above the u-derived default.
+    Budget("backward", "dA", "bf16", "cpu", "calibrate 2026-11-29 on x86_64 (cpu): max 5.33e-03 over 96 cases x2", rel_l2=1.10e-02, cond_k=16.0),
+    Budget("backward", "dA", "fp16", "cpu", "calibrate 2026-11-29 on x86_64 (cpu): max 6.12e-04 over 96 cases x2", rel_l2=1.30e-03, cond_k=16.0),
+    Budget("backward", "dA", "fp32", "cpu", "calibrate 2026-11-29 on x86_64 (cpu): max 1.15e-06 over 96 cases x2", rel_l2=2.40e-06, cond_k=16.0),
+    Budget("backward", "dB", "bf16", "cpu", "calibrate 2026-11-29 on x86_64 (cpu): max 3.93e-03 over 96 cases x2", rel_l2=7.90e-03, cond_k=16.0),
+    Budget("backward", "dB", "fp16", "cpu", "calibrate 2026-11-29 on x86_64 (cpu): max 5.00e-04 over 96 cases x2", rel_l2=1.00e-03, cond_k=16.0),
+    Budget("backward", "dB", "fp32", "cpu", "calibrate 2026-11-29 on x86_64 (cpu): max 1.07e-06 over 96 cases x2", rel_l2=2.20e-06, cond_k=16.0),
+    Budget("backward", "db", "bf16", "cpu", "calibrate 2026-11-29 on x86_64 (cpu): max 2.42e-03 over 96 cases x2", rel_l2=4.90e-03, cond_k=16.0),
+    Budget("backward", "db", "fp16", "cpu", "calibrate 2026-11-29 on x86_64 (cpu): max 2.93e-04 over 96 cases x2", rel_l2=5.90e-04, cond_k=16.0),
+    Budget("backward", "db", "fp32", "cpu", "calibrate 2026-11-29 on x86_64 (cpu): max 1.27e-07 over 96 cases x2", rel_l2=2.60e-07, cond_k=16.0),
+    Budget("backward", "dm", "bf16", "cpu", "calibrate 2026-11-29 on x86_64 (cpu): max 2.76e-02 over 96 cases x2", rel_l2=5.60e-02, cond_k=16.0),
+    Budget("backward", "dm", "fp16", "cpu", "calibrate 2026-11-29 on x86_64 (cpu): max 2.27e-03 over 96 cases x2", rel_l2=4.60e-03, cond_k=16.0),
+    Budget("backward", "dm", "fp32", "cpu", "calibrate 2026-11-29 on x86_64 (cpu): max 1.15e-06 over 96 cases x2", rel_l2=2.30e-06, cond_k=16.0),
+    Budget("backward", "dx", "bf16", "cpu", "calibrate 2026-11-29 on x86_64 (cpu): max 7.82e-03 over 96 cases x2", rel_l2=1.60e-02, cond_k=16.0),
+    Budget("backward", "dx", "fp16", "cpu", "calibrate 2026-11-29 on x86_64 (cpu): max 1.09e-03 over 96 cases x2", rel_l2=2.20e-03, cond_k=16.0),
+    Budget("backward", "dx", "fp32", "cpu", "calibrate 2026-11-29 on x86_64 (cpu): max 7.35e-07 over 96 cases x2", rel_l2=1.50e-06, cond_k=16.0),
+    Budget("forward", "y", "bf16", "cpu", "calibrate 2026-11-29 on x86_64 (cpu): max 8.09e-03 over 96 cases x2", rel_l2=1.70e-02, cond_k=16.0),
+    Budget("forward", "y", "fp16", "cpu", "calibrate 2026-11-29 on x86_64 (cpu): max 1.09e-03 over 96 cases x2", rel_l2=2.20e-03, cond_k=16.0),
+    Budget("forward", "y", "fp32", "cpu", "calibrate 2026-11-29 on x86_64 (cpu): max 4.92e-07 over 96 cases x2", rel_l2=9.90e-07, cond_k=16.0),
     # torch's default allow_fp16_reduced_precision_reduction lets cuBLAS reduce split-K partials
     # of x·Wᵀ in fp16; at d_in = 8192, T = 1 (a GEMV) the output then carries ~5u, not ~2u.
     Budget(

