@@ -7,11 +7,14 @@ Forward, with x_d = dropout(x) (x_d = x when no dropout), compute dtype c = x.dt
     y    = base + b + (g-1)⊙base_d + g⊙s⊙lora                  fp32, rounded once to c
 
 What is saved for backward (the caller's x is referenced, not copied):
-- Triton path, no dropout: the output y itself (which the next layer usually holds anyway)
-  and xa (T×r); the backward recovers g⊙z = y - b, so no T×d_out tensor is added. Measured
-  choice: saving z would add T×d_out (64 MiB at T = 4096, d_out = 8192 in bf16) to the
-  training peak for no speed gain. Consequence: where m_i = 0 while n_i > eps, z_i is not
-  recoverable from y and dm_i is NaN (loud, not silent); where n_i < eps (a zero row) dm_i = 0.
+- Triton path, no dropout, no bias: the output y itself (which the next layer usually holds
+  anyway) and xa (T×r); the backward recovers g⊙z = y, so no T×d_out tensor is added.
+  Measured choice: saving z would add T×d_out (64 MiB at T = 4096, d_out = 8192 in bf16) to
+  the training peak for no speed gain. Consequence: where m_i = 0 while n_i > eps, z_i is
+  not recoverable from y and dm_i is NaN (loud, not silent); where n_i < eps (a zero row)
+  dm_i = 0. With a bias, z is saved instead (the fused kernel writes it): recovering it
+  from y - b loses digits in proportion to |b|/|g·z|, which the baseline-ratio property
+  caught in fp16 (3.4e-3 against the naive 9.3e-4, interpreter, 2026-11-29).
 - Dropout, and the torch path: z_d = base_d + s·lora in c (T×d_out), exact in all cases.
 - The bool keep-mask with dropout (x_d is recomputed from x and it).
 
@@ -111,10 +114,13 @@ def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p
     xa = x_d @ A.t()
     from_output = False
     if triton_path:
-        if keep is None:
+        if keep is None and bias is None:
             ops.call("lora_up_compose_", base, xa, lora_B, g, bias, s)
             y = saved_h = base
             from_output = True
+        elif keep is None:  # with a bias, z from y - b loses digits where |b| >> |g·z|: save z
+            saved_h = ops.call("lora_up_compose_save_z_", base, xa, lora_B, g, bias, s)
+            y = base
         else:
             y, saved_h = ops.call("lora_up_compose_dropout", base, x_d @ W.t(), xa, lora_B, g, bias, s)
     else:

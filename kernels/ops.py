@@ -12,6 +12,7 @@ dominate decode (T = 1) on an H200.
 Ops (namespace ``doracheck``):
 - ``factored_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out) -> (base, cross, lora, norm)``
 - ``lora_up_compose_(base!, xa, lora_B, g, bias?, scaling)``: y written in place into base
+- ``lora_up_compose_save_z_(base!, xa, lora_B, g, bias?, scaling) -> z``: the same, plus z = base + s·lora
 - ``lora_up_compose_dropout(base, base_dropped, xa, lora_B, g, bias?, scaling) -> (y, z_d)``
 - ``grad_scale_dm(dy, saved, g, n, bias?, from_output) -> (dz, dm_sum)``
 """
@@ -42,6 +43,14 @@ def _lora_up_compose_(
     lora_up_compose_triton(base, xa, lora_B, g, scaling, bias, out=base)
 
 
+def _lora_up_compose_save_z_(
+    base: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor, g: torch.Tensor, bias: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
+    z = torch.empty_like(base)
+    lora_up_compose_triton(base, xa, lora_B, g, scaling, bias, out=base, z_out=z)
+    return z
+
+
 def _lora_up_compose_dropout(
     base: torch.Tensor,
     base_dropped: torch.Tensor,
@@ -65,12 +74,14 @@ def _grad_scale_dm(
 
 factored_norm_op = triton_op("doracheck::factored_norm", _factored_norm, mutates_args=())
 lora_up_compose_op = triton_op("doracheck::lora_up_compose_", _lora_up_compose_, mutates_args={"base"})
+lora_up_compose_save_z_op = triton_op("doracheck::lora_up_compose_save_z_", _lora_up_compose_save_z_, mutates_args={"base"})
 lora_up_compose_dropout_op = triton_op("doracheck::lora_up_compose_dropout", _lora_up_compose_dropout, mutates_args=())
 grad_scale_dm_op = triton_op("doracheck::grad_scale_dm", _grad_scale_dm, mutates_args=())
 
 _EAGER: dict[str, Callable[..., Any]] = {
     "factored_norm": _factored_norm,
     "lora_up_compose_": _lora_up_compose_,
+    "lora_up_compose_save_z_": _lora_up_compose_save_z_,
     "lora_up_compose_dropout": _lora_up_compose_dropout,
     "grad_scale_dm": _grad_scale_dm,
 }
