@@ -298,3 +298,70 @@ def dora_linear_autograd(x, weight, lora_A, lora_B, magnitude, scaling, bias, ke
     return DoRALinearFunction.apply(
         x, weight, lora_A, lora_B, magnitude, bias, scaling, keep_mask, dropout_p, detach_norm, fan_in_fan_out
     )
+
+
+class DoRAFromBaseFunction(torch.autograd.Function):
+    """DoRA on top of a base output that a caller (PEFT's LoRA Linear) already computed.
+
+    ``result`` = x·Wᵀ + b is rewritten in place into y = g⊙(result - b + s·(x·Aᵀ)·Bᵀ) + b
+    (marked dirty), so the layer adds no T×d_out buffer and runs no second x·Wᵀ. The backward
+    is ``_backward``'s: it returns the whole dx = dz·W + s·(dz·B)·A itself and no gradient to
+    ``result``, so the base layer's own backward (another d_out×d_in GEMM) never runs. Only
+    for frozen W (the caller checks); no dropout (PEFT's path handles that).
+    """
+
+    @staticmethod
+    def forward(ctx, result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out):
+        # ``result`` comes first: when it is a view (F.linear on 3-D input), autograd rebases its
+        # history through CopySlices, which takes the dirty tensor's gradient from slot 0.
+        from doracheck.kernels import ops
+
+        s = float(scaling)
+        cd = result.dtype
+        d_out = result.shape[-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x2 if x2.dtype == cd else x2.to(cd)
+        triton_path = _use_triton(x2, weight, lora_A, lora_B, magnitude, bias)
+        fn, g, n_safe = _norm_and_scale(weight, lora_A, lora_B, magnitude, s, fan_in_fan_out, True)
+        A = lora_A if lora_A.dtype == cd else lora_A.to(cd)
+        xa = x2 @ A.t()
+        r2 = result.view(-1, d_out)
+        from_output = False
+        if triton_path and bias is None:
+            ops.call("lora_up_compose_", r2, xa, lora_B, g, None, s)
+            saved_h, from_output = result, True  # saved as the output itself (a view of it would be refused)
+        elif triton_path:
+            saved_h = ops.call("lora_up_compose_save_z_", r2, xa, lora_B, g, bias, s, True)
+        else:
+            acc = fn.norm.dtype
+            B = lora_B if lora_B.dtype == cd else lora_B.to(cd)
+            base = r2.to(acc) - (bias.to(acc) if bias is not None else 0.0)
+            z = base + s * (xa @ B.t()).to(acc)
+            y = g * z + (bias.to(acc) if bias is not None else 0.0)
+            r2.copy_(y)
+            saved_h = z.to(cd)
+        ctx.mark_dirty(result)
+        tensors = (x2, None, xa, saved_h, g, fn.norm, n_safe, None, None)
+        ctx.save_for_backward(*tensors, weight, lora_A, lora_B, magnitude, bias)
+        ctx.flags = (triton_path, from_output)
+        ctx.args = (s, fan_in_fan_out, x.shape[:-1])
+        return result
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, keep, xa, saved_h, g, n, n_safe, U, G, weight, lora_A, lora_B, magnitude, bias = ctx.saved_tensors
+        saved_h = saved_h.reshape(-1, g.shape[0])
+        saved = {"x2": x2, "keep": keep, "xa": xa, "saved_h": saved_h, "g": g, "n": n, "n_safe": n_safe, "U": U, "G": G}
+        saved["triton_path"], saved["from_output"] = ctx.flags
+        s, fan_in_fan_out, lead = ctx.args
+        need = ctx.needs_input_grad  # result, x, weight, lora_A, lora_B, magnitude, bias
+        dx, _dW, dA, dB, dm, db = _backward(
+            saved, dy, weight, lora_A, lora_B, magnitude, bias, s, 0.0, True, fan_in_fan_out, lead,
+            (need[1], False, need[3], need[4], need[5], need[6]),
+        )
+        return None, dx, None, dA, dB, dm, db, None, None
+
+
+def dora_from_base(x, result, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out=False):
+    """``DoRAFromBaseFunction``: y = g⊙(result - b + s·(x·Aᵀ)·Bᵀ) + b written into ``result``."""
+    return DoRAFromBaseFunction.apply(result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out)

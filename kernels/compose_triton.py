@@ -37,7 +37,7 @@ def _lora_up_compose_kernel(
     lb_ptr, stride_lm, stride_lr,  # B (d_out, r)
     g_ptr, bias_ptr,  # g fp32 (d_out,), bias (d_out,)
     T, d_out, r, scaling,
-    HAS_BIAS: tl.constexpr, HAS_BASE_D: tl.constexpr, WRITE_Z: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_BASE_D: tl.constexpr, WRITE_Z: tl.constexpr, BASE_HAS_BIAS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -71,6 +71,8 @@ def _lora_up_compose_kernel(
         z = base_d + s * acc
         y = base + (g - 1.0) * base_d + (g * s) * acc
     else:
+        if BASE_HAS_BIAS:  # base is x·Wᵀ + b (a PEFT base layer's output): take b out first
+            base -= tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         z = base + s * acc
         y = g * z
     if HAS_BIAS:
@@ -126,8 +128,10 @@ def lora_up_compose_triton(
     *,
     out: torch.Tensor | None = None,
     z_out: torch.Tensor | None = None,
+    base_has_bias: bool = False,
 ) -> torch.Tensor:
-    """y = compose(base, xa·Bᵀ, g) in base.dtype; ``out`` may be ``base`` itself (in place)."""
+    """y = compose(base, xa·Bᵀ, g) in base.dtype; ``out`` may be ``base`` itself (in place).
+    ``base_has_bias``: ``base`` already holds x·Wᵀ + b (no dropout): y = g⊙(base - b + s·lora) + b."""
     T, d_out = base.shape
     r = xa.shape[1]
     y = out if out is not None else torch.empty_like(base)
@@ -148,6 +152,7 @@ def lora_up_compose_triton(
         g, bias if bias is not None else g,
         T, d_out, r, float(scaling),
         HAS_BIAS=bias is not None, HAS_BASE_D=base_dropped is not None, WRITE_Z=z_out is not None,
+        BASE_HAS_BIAS=base_has_bias and bias is not None and base_dropped is None,
         DOT_DTYPE=dot_dtype, PRECISION="tf32x3" if xa.dtype == torch.float32 else "ieee", INTERPRET=interpreting(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

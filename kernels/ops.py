@@ -12,7 +12,8 @@ dominate decode (T = 1) on an H200.
 Ops (namespace ``doracheck``):
 - ``factored_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out) -> (base, cross, lora, norm)``
 - ``lora_up_compose_(base!, xa, lora_B, g, bias?, scaling)``: y written in place into base
-- ``lora_up_compose_save_z_(base!, xa, lora_B, g, bias?, scaling) -> z``: the same, plus z = base + s·lora
+- ``lora_up_compose_save_z_(base!, xa, lora_B, g, bias?, scaling, base_has_bias) -> z``: the same, plus
+  z = base + s·lora (with ``base_has_bias`` base is x·Wᵀ + b, as a PEFT base layer returns it)
 - ``lora_up_compose_dropout(base, base_dropped, xa, lora_B, g, bias?, scaling) -> (y, z_d)``
 - ``grad_scale_dm(dy, saved, g, n, bias?, from_output) -> (dz, dm_sum)``
 """
@@ -44,10 +45,11 @@ def _lora_up_compose_(
 
 
 def _lora_up_compose_save_z_(
-    base: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor, g: torch.Tensor, bias: torch.Tensor | None, scaling: float
+    base: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor, g: torch.Tensor, bias: torch.Tensor | None, scaling: float,
+    base_has_bias: bool = False,
 ) -> torch.Tensor:
     z = torch.empty_like(base)
-    lora_up_compose_triton(base, xa, lora_B, g, scaling, bias, out=base, z_out=z)
+    lora_up_compose_triton(base, xa, lora_B, g, scaling, bias, out=base, z_out=z, base_has_bias=base_has_bias)
     return z
 
 

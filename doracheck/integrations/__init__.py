@@ -1,0 +1,1 @@
+"""Integrations with training libraries (PEFT first): ``doracheck.integrations.peft``."""

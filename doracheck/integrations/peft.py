@@ -1,0 +1,121 @@
+"""Run PEFT's DoRA Linear layers through doracheck: ``enable(model)`` / ``disable(model)``.
+
+The hook is PEFT's own extension point: each LoRA ``Linear`` keeps a per-adapter
+``lora_variant`` object (a ``DoraLinearVariant`` for DoRA) whose static ``forward`` adds the
+adapter's contribution to the base layer's output. ``enable`` swaps that object, adapter by
+adapter, for a ``DoracheckDoraLinearVariant``, a subclass that overrides only ``forward``;
+init, merge, unmerge, state-dict keys, save/load, several adapters, ``set_adapter`` and
+``disable_adapters`` are PEFT's unchanged. ``disable`` puts the original objects back.
+
+The accelerated forward rewrites PEFT's base output x·Wᵀ + b in place into the DoRA output
+(``doracheck.autograd.DoRAFromBaseFunction``): the factored norm (cached while W, A, B are
+unchanged, so generation pays for it once), the fused up-projection + stable compose, and a
+backward that computes dx itself, so the base layer's backward GEMM never runs.
+
+Stays on PEFT's path (one info log line per ``enable`` call): embedding and conv DoRA,
+quantized or otherwise non-float base layers, a trainable base weight, and, per call, an
+active LoRA dropout in training mode (PEFT recomputes x_d·Wᵀ there) or variant keyword
+arguments (aLoRA offsets). Adapters added after ``enable`` need another ``enable`` call.
+PEFT is an optional dependency: importing this module needs it, the rest of doracheck not.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from peft.tuners.lora.layer import Linear as LoraLinear
+from peft.tuners.lora.variants import DoraLinearVariant
+from torch import nn
+
+from doracheck.autograd import dora_from_base
+
+logger = logging.getLogger("doracheck")
+_ORIGINALS = "_doracheck_original_variants"
+
+
+class DoracheckDoraLinearVariant(DoraLinearVariant):
+    """PEFT's DoRA variant with doracheck's forward (everything else inherited)."""
+
+    @staticmethod
+    def forward(module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:  # type: ignore[override]
+        base_layer = module.get_base_layer()
+        weight = base_layer.weight
+        dropout = module.lora_dropout[active_adapter]
+        dropout_active = module.training and not isinstance(dropout, nn.Identity)
+        if dropout_active or weight.requires_grad or any(v is not None for v in kwargs.values()):
+            return DoraLinearVariant.forward(module, active_adapter, x, result, **kwargs)
+        return dora_from_base(
+            x,
+            result,
+            weight,
+            module.lora_A[active_adapter].weight,
+            module.lora_B[active_adapter].weight,
+            module.lora_magnitude_vector[active_adapter].weight,
+            base_layer.bias,
+            module.scaling[active_adapter],
+            module.fan_in_fan_out,
+        )
+
+
+def _why_not(module: nn.Module, adapter: str) -> str | None:
+    """None when (module, adapter) can run through doracheck, else the reason it cannot."""
+    if type(module) is not LoraLinear:
+        return f"{type(module).__name__} layers (only plain Linear / Conv1D DoRA is accelerated)"
+    weight = getattr(module.get_base_layer(), "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return "quantized or non-float base weights"
+    if weight.dim() != 2:
+        return "non-2-D base weights"
+    return None
+
+
+def enable(model: nn.Module) -> nn.Module:
+    """Route every PEFT DoRA Linear adapter of ``model`` through doracheck; returns the model."""
+    accelerated = 0
+    skipped: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        variants = getattr(module, "lora_variant", None)
+        if not isinstance(variants, dict):
+            continue
+        for adapter, variant in list(variants.items()):
+            if isinstance(variant, DoracheckDoraLinearVariant) or "Dora" not in type(variant).__name__:
+                continue  # already enabled, or not a DoRA variant (e.g. aLoRA): not ours
+            reason: str | None = (
+                f"{type(variant).__name__}: only Linear / Conv1D DoRA is accelerated"
+                if type(variant) is not DoraLinearVariant  # DoraEmbeddingVariant, DoraConv*Variant, ...
+                else _why_not(module, adapter)
+            )
+            if reason is not None:
+                skipped.setdefault(reason, []).append(f"{name}[{adapter}]")
+                continue
+            module.__dict__.setdefault(_ORIGINALS, {})[adapter] = variant
+            variants[adapter] = DoracheckDoraLinearVariant()
+            accelerated += 1
+    for reason, where in skipped.items():
+        logger.info("doracheck: %d DoRA adapters stay on PEFT's path (%s), e.g. %s", len(where), reason, where[0])
+    logger.debug("doracheck: %d DoRA Linear adapters run through doracheck", accelerated)
+    return model
+
+
+def disable(model: nn.Module) -> nn.Module:
+    """Undo ``enable``: PEFT's own DoRA variant classes come back; returns the model."""
+    for module in model.modules():
+        originals = module.__dict__.pop(_ORIGINALS, None)
+        if not originals:
+            continue
+        variants: dict = module.__dict__.get("lora_variant") or getattr(module, "lora_variant", {})
+        for adapter, variant in originals.items():
+            if isinstance(variants.get(adapter), DoracheckDoraLinearVariant):
+                variants[adapter] = variant
+    return model
+
+
+def enabled_adapters(model: nn.Module) -> list[str]:
+    """``module[adapter]`` names currently running through doracheck (for tests and logs)."""
+    return [
+        f"{name}[{adapter}]"
+        for name, module in model.named_modules()
+        for adapter, variant in (getattr(module, "lora_variant", None) or {}).items()
+        if isinstance(variant, DoracheckDoraLinearVariant)
+    ]
