@@ -1,0 +1,151 @@
+"""Model-level benchmark (issue 6): a LLaMA-style decoder, PEFT LoRA / DoRA against doracheck.
+
+Model: transformers LlamaConfig (hidden 4096, intermediate 14336, 32 heads, 8 KV heads,
+4 layers, bf16, random weights); adapters r = 384, alpha = 768 on every linear layer.
+Per implementation, in one process: training step (forward + backward, optimizer excluded,
+gradient checkpointing on, sequence 4096, batch 1) median ms and peak GiB; inference forward
+ms; decode tokens/s (batch 1, greedy, ``--new-tokens`` tokens with the KV cache).
+
+Implementations: peft_lora_fp32/bf16 (use_dora=False), peft_dora_fp32/bf16 (PEFT DoRA with its
+default fp32 adapters / bf16 adapters), doracheck_fp32/bf16 (the same PEFT DoRA models after
+``doracheck.integrations.peft.enable``). "fp32"/"bf16" is the adapter dtype
+(``autocast_adapter_dtype``); activations are bf16 throughout.
+
+Usage (GPU): python benchmarks/bench_model.py --csv results/model_h200.csv
+Smaller smoke run: --layers 1 --hidden 512 --intermediate 1024 --seq 256 --new-tokens 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import statistics
+import time
+
+import torch
+
+
+def build(impl: str, args):
+    import peft
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq + args.new_tokens + 8,
+    )
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    kind, adapter_dtype = impl.rsplit("_", 1)
+    use_dora = "dora" in kind
+    lora = peft.LoraConfig(
+        r=args.rank, lora_alpha=2 * args.rank, use_dora=use_dora,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
+    model = peft.get_peft_model(model, lora, autocast_adapter_dtype=(adapter_dtype == "fp32"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.01)
+    if kind.startswith("doracheck"):
+        from doracheck.integrations.peft import enable
+
+        enable(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    return model
+
+
+def timed(fn, reps: int):
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), times
+
+
+def measure(impl: str, args) -> dict:
+    model = build(impl, args)
+    ids = torch.randint(0, 32000, (1, args.seq), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step():
+        model.train()
+        model(ids, labels=ids).loss.backward()
+        for p in params:
+            p.grad = None
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step_ms, _ = timed(step, args.reps)
+    step_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
+
+    def infer():
+        model.eval()
+        with torch.no_grad():
+            model(ids)
+
+    infer()
+    infer_ms, _ = timed(infer, args.reps)
+    model.eval()
+    prompt = ids[:, :32]
+    with torch.no_grad():
+        model.generate(prompt, max_new_tokens=4, do_sample=False)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+        torch.cuda.synchronize()
+        decode_tps = (out.shape[1] - prompt.shape[1]) / (time.perf_counter() - t0)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"impl": impl, "step_ms": round(step_ms, 2), "step_gib": round(step_gib, 3), "infer_ms": round(infer_ms, 2),
+            "decode_tok_s": round(decode_tps, 1)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--impls", default="peft_lora_bf16,peft_lora_fp32,peft_dora_bf16,peft_dora_fp32,doracheck_bf16,doracheck_fp32")
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--intermediate", type=int, default=14336)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--rank", type=int, default=384)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--csv")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_model: needs a CUDA device")
+        return 2
+    import peft
+    import transformers
+    import triton
+
+    rows = []
+    for impl in args.impls.split(","):
+        row = measure(impl, args)
+        row.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                   peft=peft.__version__, transformers=transformers.__version__)
+        rows.append(row)
+        print(row, flush=True)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
