@@ -34,7 +34,7 @@ The backward runs over token chunks when dz (T×d_out) would be large (settings
 Rows with n < eps (g = m/eps, up to 1e12) get dz saturated at the dtype's largest finite
 value instead of inf, so zero rows of W and B contribute 0 rather than inf·0 = NaN (fp16).
 Without autograd (no_grad, or nothing requires grad) the forward runs without an
-autograd.Function and saves nothing.
+autograd.Function and computes nothing that only the backward needs (no z with a bias).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _bt_diag_w(Bc: torch.Tensor, weight: torch.Tensor, fan_in_fan_out: bool) -> 
     return out
 
 
-def _norm_and_scale(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out, detach_norm):
+def _norm_and_scale(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out, detach_norm, path="torch"):
     """(FactoredNorm, g = m / max(n, eps), max(n, eps)). The norm comes from the norm cache
     while W, A, B are unchanged; g is recomputed each call (two small kernels), because the
     magnitude is a trained parameter that tools also write through ``.data`` (gradcheck does),
@@ -77,8 +77,10 @@ def _norm_and_scale(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out, 
                 weight, lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out, need_factors=not detach_norm
             )
 
-    if detach_norm:
-        fn = norm_cache.lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute)
+    if detach_norm:  # U, G are not needed then: the cache keeps the four d_out vectors only
+        fn = norm_cache.lookup_or_compute(
+            weight, lora_A, lora_B, scaling, fan_in_fan_out, lambda: compute()._replace(U=None, G=None), tag=path
+        )
     else:  # U and G are needed; not worth caching (training-only mode)
         fn = compute()
     n_safe = torch.clamp_min(fn.norm, EPS)
@@ -91,10 +93,13 @@ def _use_triton(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
     return choose_path(x.device).name == "triton"
 
 
-def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p, detach_norm, fan_in_fan_out):
-    """y and what the backward needs: (y2d, saved dict)."""
+def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p, detach_norm, fan_in_fan_out, need_saved=True):
+    """y and what the backward needs: (y2d, saved dict); ``need_saved=False`` (no autograd)
+    skips whatever only the backward would use (z with a bias)."""
     from doracheck.kernels import ops
 
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()  # the kernels read b with stride 1
     cd = x.dtype
     d_in = x.shape[-1]
     x2 = x.reshape(-1, d_in)
@@ -102,7 +107,9 @@ def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p
     W = W if W.dtype == cd else W.to(cd)
     A = lora_A if lora_A.dtype == cd else lora_A.to(cd)
     triton_path = _use_triton(x, weight, lora_A, lora_B, magnitude, bias)
-    fn, g, n_safe = _norm_and_scale(weight, lora_A, lora_B, magnitude, s, fan_in_fan_out, detach_norm)
+    fn, g, n_safe = _norm_and_scale(
+        weight, lora_A, lora_B, magnitude, s, fan_in_fan_out, detach_norm, "triton" if triton_path else "torch"
+    )
     n = fn.norm
 
     keep = None
@@ -114,10 +121,10 @@ def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p
     xa = x_d @ A.t()
     from_output = False
     if triton_path:
-        if keep is None and bias is None:
+        if keep is None and (bias is None or not need_saved):
             ops.call("lora_up_compose_", base, xa, lora_B, g, bias, s)
             y = saved_h = base
-            from_output = True
+            from_output = bias is None
         elif keep is None:  # with a bias, z from y - b loses digits where |b| >> |g·z|: save z
             saved_h = ops.call("lora_up_compose_save_z_", base, xa, lora_B, g, bias, s)
             y = base
@@ -135,7 +142,7 @@ def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p
         if bias is not None:
             y = y + bias.to(acc)
         y = y.to(cd)
-        saved_h = (base_d + s * lora).to(cd)
+        saved_h = (base_d + s * lora).to(cd) if need_saved else None
     saved = {
         "x2": x2, "keep": keep, "xa": xa, "saved_h": saved_h, "g": g, "n": n, "n_safe": n_safe, "U": fn.U, "G": fn.G,
         "triton_path": triton_path, "from_output": from_output,
@@ -233,7 +240,8 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
         dB_acc = torch.zeros(d_out, A.shape[0], dtype=acc, device=x2.device) if need[3] else None
         dA_acc = torch.zeros(A.shape[0], d_in, dtype=acc, device=x2.device) if need[2] else None
         dW_rows = torch.zeros(d_out, d_in, dtype=acc, device=x2.device) if need[1] else None
-    dm_sum = _dm_sum_of_z(dm_sum.to(acc), g, n, from_output)
+    dm_raw = dm_sum.to(acc)  # Σ dy⊙(g⊙z) from the output, Σ dy⊙z otherwise
+    dm_sum = _dm_sum_of_z(dm_raw, g, n, from_output)
 
     dx = dx2.reshape(*lead, d_in) if dx2 is not None else None
     dB = dB_acc.to(acc).mul_(s) if dB_acc is not None else None
@@ -245,7 +253,10 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
         # c_i = (∂L/∂n_i)/n_i with ∂L/∂n_i = -S_i·m_i/n_i² where n_i > eps (g is flat in n below eps).
         U, G = ctx_saved["U"], ctx_saved["G"]
         m_acc = magnitude.to(acc)
-        c = torch.where(n > EPS, -dm_sum * m_acc / (n_safe * n_safe * n_safe), torch.zeros_like(n))
+        # From the output, S·m = raw·max(n, eps) (g = m / max(n, eps)), so c needs no division by g
+        # (which is 0 where m = 0): c = -raw / n².
+        num = dm_raw * n_safe if from_output else dm_sum * m_acc
+        c = torch.where(n > EPS, -num / (n_safe * n_safe * n_safe), torch.zeros_like(n))
         B_acc = lora_B.to(acc)
         if dB is not None:
             dB = dB + s * c[:, None] * (U + s * (B_acc @ G))
@@ -274,7 +285,7 @@ class DoRALinearFunction(torch.autograd.Function):
         ctx.save_for_backward(*tensors, weight, lora_A, lora_B, magnitude, bias)
         ctx.flags = (saved["triton_path"], saved["from_output"])
         ctx.args = (float(scaling), dropout_p, detach_norm, fan_in_fan_out, x.shape[:-1])
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return y  # 2-D: reshaped by the caller, so in-place ops on the result are allowed
 
     @staticmethod
     def backward(ctx, dy):
@@ -293,11 +304,15 @@ def dora_linear_autograd(x, weight, lora_A, lora_B, magnitude, scaling, bias, ke
     forward alone."""
     tensors = (x, weight, lora_A, lora_B, magnitude, bias)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
-        y, _ = _forward(x, weight, lora_A, lora_B, magnitude, bias, float(scaling), keep_mask, dropout_p, detach_norm, fan_in_fan_out)
+        y, _ = _forward(
+            x, weight, lora_A, lora_B, magnitude, bias, float(scaling), keep_mask, dropout_p, detach_norm, fan_in_fan_out,
+            need_saved=False,
+        )
         return y.reshape(*x.shape[:-1], y.shape[-1])
-    return DoRALinearFunction.apply(
+    y = DoRALinearFunction.apply(
         x, weight, lora_A, lora_B, magnitude, bias, scaling, keep_mask, dropout_p, detach_norm, fan_in_fan_out
     )
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class DoRAFromBaseFunction(torch.autograd.Function):
@@ -319,13 +334,17 @@ class DoRAFromBaseFunction(torch.autograd.Function):
         s = float(scaling)
         cd = result.dtype
         d_out = result.shape[-1]
+        if bias is not None and not bias.is_contiguous():
+            bias = bias.contiguous()  # the kernels read b with stride 1
         x2 = x.reshape(-1, x.shape[-1])
         x2 = x2 if x2.dtype == cd else x2.to(cd)
         triton_path = _use_triton(x2, weight, lora_A, lora_B, magnitude, bias)
-        fn, g, n_safe = _norm_and_scale(weight, lora_A, lora_B, magnitude, s, fan_in_fan_out, True)
+        fn, g, n_safe = _norm_and_scale(
+            weight, lora_A, lora_B, magnitude, s, fan_in_fan_out, True, "triton" if triton_path else "torch"
+        )
         A = lora_A if lora_A.dtype == cd else lora_A.to(cd)
         xa = x2 @ A.t()
-        r2 = result.view(-1, d_out)
+        r2 = result.view(-1, d_out)  # callers pass a contiguous result (the PEFT variant checks)
         from_output = False
         if triton_path and bias is None:
             ops.call("lora_up_compose_", r2, xa, lora_B, g, None, s)

@@ -53,8 +53,8 @@ def use_path(name: str):
 
 
 def forced_path(name: str, fn):
-    """``fn`` wrapped so that each call runs under ``use_path(name)`` (forward and the
-    autograd backward it records both decide at call time, inside the block)."""
+    """``fn`` wrapped so that each call runs under ``use_path(name)``. The path is decided in
+    the forward; the backward it records reuses that decision (it runs outside the block)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

@@ -126,6 +126,9 @@ class DoRALinear(nn.Module):
             raise RuntimeError("DoRALinear.merge: the adapter is already merged")
         n = self._norm()
         g = self.magnitude.to(torch.float32) / torch.clamp_min(n, EPS)
+        bad = int((~torch.isfinite(g) | (g == 0)).sum())
+        if bad:  # unmerge divides by g: a zero or non-finite g would write NaN into the shared W
+            raise ValueError(f"DoRALinear.merge: {bad} features have g = m/n zero or not finite; unmerge could not restore W")
         dense = self.weight.to(torch.float32) + self.scaling * (self.lora_B.to(torch.float32) @ self.lora_A.to(torch.float32))
         self.weight.copy_((g[:, None] * dense).to(self.weight.dtype))
         self._merged_norm = n

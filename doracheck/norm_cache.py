@@ -1,6 +1,7 @@
 """Reuse the DoRA norm while W, A, B and s are unchanged.
 
-The key is, for each of W, A, B (and the magnitude, when a caller caches a value that depends on it): the tensor's identity, its data pointer and its version
+The key is the implementation path (torch / triton) and, for each of W, A, B (and the
+magnitude, when a caller caches a value that depends on it): the tensor's identity, its data pointer and its version
 counter (bumped by every in-place write through the tensor or a view of it, including
 optimizer steps under no_grad), plus s, the layout flag, shapes, dtypes and device. An
 entry also holds weak references to the three tensors and is dropped when B is freed, so a
@@ -22,7 +23,7 @@ from collections import OrderedDict
 import torch
 
 MAX_ENTRIES = 4096
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: the weakref callback may run inside a locked section
 _entries: OrderedDict[int, tuple] = OrderedDict()
 _stats = {"hits": 0, "misses": 0}
 
@@ -44,12 +45,14 @@ def _cacheable() -> bool:
     return not (compiler is not None and compiler.is_compiling())
 
 
-def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, *, magnitude=None):
+def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, *, magnitude=None, tag=""):
     """Return the cached value for these tensors' current contents, or ``compute()`` and cache
-    it. With ``magnitude`` the value may depend on it too (its version is part of the key)."""
+    it. With ``magnitude`` the value may depend on it too (its version is part of the key);
+    ``tag`` (the implementation path) is part of the key, so paths never share entries."""
     if not _cacheable():
         return compute()
     key = _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude)
+    key = None if key is None else (*key, tag)
     if key is None:
         return compute()
     slot = id(lora_B)

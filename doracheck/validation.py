@@ -51,6 +51,8 @@ def check_weights(
     if lora_A.dim() != 2:
         raise ValueError(f"lora_A: expected a 2-D tensor (r, d_in={d_in}), got shape {tuple(lora_A.shape)}")
     r = lora_A.shape[0]
+    if r < 1:
+        raise ValueError(f"lora_A: expected rank r >= 1 rows, got shape {tuple(lora_A.shape)}")
     _require_shape("lora_A", lora_A, (r, d_in))
     _require_shape("lora_B", lora_B, (d_out, r))
     _require_same_device({"weight": weight, "lora_A": lora_A, "lora_B": lora_B})
@@ -98,10 +100,12 @@ def check_dora_inputs(
         if not isinstance(dropout_mask, torch.Tensor):
             raise ValueError(f"dropout_mask: expected a torch.Tensor, got {type(dropout_mask).__name__}")
         try:
-            torch.broadcast_shapes(dropout_mask.shape, x.shape)
+            ok = torch.broadcast_shapes(dropout_mask.shape, x.shape) == x.shape
         except RuntimeError:
+            ok = False
+        if not ok:
             raise ValueError(
                 f"dropout_mask: expected a shape broadcastable to x {tuple(x.shape)}, got {tuple(dropout_mask.shape)}"
-            ) from None
+            )
         _require_same_device({"x": x, "dropout_mask": dropout_mask})
     return dims

@@ -93,4 +93,5 @@ def factored_norm_torch(
 def norm_memory_bound(d_out: int, d_in: int, r: int, chunk: int | None = None) -> int:
     """The stated bound (bytes) on the extra memory of ``factored_norm_torch``."""
     c = chunk or norm_chunk(d_out, d_in)
-    return 4 * (d_out * r + r * r + 3 * d_out + r * c + r * d_out) + 8 * d_out * c + 4 * 1024
+    # U, an fp32 copy of B, B·G and an elementwise product live together at the end: 4·d_out·r.
+    return 4 * (4 * d_out * r + r * r + 3 * d_out + r * c + r * d_out) + 8 * d_out * c + 4 * 1024

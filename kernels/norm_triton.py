@@ -13,10 +13,11 @@ Kernels:
 - ``_gram_kernel``: split-K partials of G = A·Aᵀ, (SPLIT, r, r) fp32, summed in a fixed order.
 No atomics anywhere: the norm is bitwise deterministic.
 
-Precision: 16-bit X run on bf16/fp16 tensor cores with fp32 accumulation. An fp32 Y is split
-into pieces in X's dtype instead of being rounded to 8 or 11 bits: fp32 adapters A into two
-(hi + lo: 16 bits in bf16, 22 in fp16; the big GEMM runs twice), G into three (about all 24
-bits; that GEMM has K = r, so a third pass is cheap). When X is
+Precision: 16-bit X run on bf16/fp16 tensor cores with fp32 accumulation. A Y of another dtype
+is split into pieces of X's dtype instead of being rounded: fp32 (or fp16-under-bf16) adapters A
+into two (hi + lo: 16 bits in bf16; the big GEMM runs twice), G into three with bf16 B (about
+all 24 bits; that GEMM has K = r, so a third pass is cheap). With fp16 B the lora GEMM runs in
+fp32 (tf32x3): fp16 pieces of G would overflow or fall into subnormals. When X is
 fp32 the dots use ``tf32x3`` (about fp32 accuracy). ``fan_in_fan_out`` is read through strides.
 
 Measured on the H200 (8192×8192, r = 384, bf16; benchmarks/norm_variants.py): the first GEMM
@@ -125,11 +126,11 @@ def _gram_kernel(
 
 
 def _dot_setup(x_dtype: torch.dtype, y_dtype: torch.dtype, pieces: int = 2):
-    """(DOT_DTYPE, SPLIT_LO, PRECISION) for an X·Yᵀ product: SPLIT_LO = how many 16-bit
-    pieces an fp32 Y is split into (1 = none)."""
+    """(DOT_DTYPE, SPLIT_LO, PRECISION) for an X·Yᵀ product: SPLIT_LO = how many pieces of
+    X's dtype a Y of another dtype is split into (1 = none: Y is already exact in it)."""
     if x_dtype == torch.float32:
         return tl.float32, 1, "tf32x3"
-    return _TL_DTYPE[x_dtype], (pieces if y_dtype == torch.float32 else 1), "ieee"
+    return _TL_DTYPE[x_dtype], (pieces if y_dtype != x_dtype else 1), "ieee"
 
 
 def gram_triton(lora_A: torch.Tensor) -> torch.Tensor:
@@ -201,5 +202,8 @@ def factored_norm_triton(
     base = base_or_none
     # lora_i = Σ_j B_ij·(B·G)_ij: the same kernel with X = B (dots in W's 16-bit dtype when B
     # is an exact 16-bit adapter; tf32x3 for fp32 B), Y = G (split hi + lo), C = B.
-    lora, _ = rowdot_triton(lora_B, (lora_B.stride(0), lora_B.stride(1)), G, lora_B, compute_base=False, pieces=3)
+    # fp16 B would split G into fp16 pieces, which overflow once ||A_i||² > 65504: use B in fp32
+    # (tf32x3; this GEMM has K = r, so it is cheap) unless B is bf16, whose range is fp32's.
+    B_dot = lora_B if lora_B.dtype != torch.float16 else lora_B.float()
+    lora, _ = rowdot_triton(B_dot, (B_dot.stride(0), B_dot.stride(1)), G, B_dot, compute_base=False, pieces=3)
     return FactoredNorm(base, cross, lora, combine_terms(base, cross, lora, scaling), None, G)

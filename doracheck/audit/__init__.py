@@ -28,6 +28,8 @@ from .reader import AuditInputError, BaseWeights, SafetensorsFile, iter_adapter_
 
 __all__ = ["AuditInputError", "AuditReport", "ModuleReport", "audit_path"]
 
+AUDITABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
 
 @dataclass
 class AuditReport:
@@ -104,8 +106,12 @@ def _audit_module(adapter: SafetensorsFile, keys, cfg: AdapterConfig | None, bas
     report = ModuleReport(name=keys.name, fmt=keys.fmt)
     tensors = {role: adapter.get(key) for role, key in keys.keys.items()}
     for role, t in tensors.items():
-        if t.is_floating_point():
-            _finite(report, {"A": "lora_A", "B": "lora_B"}.get(role, role), t)
+        name = {"A": "lora_A", "B": "lora_B"}.get(role, role)
+        if t.dtype in AUDITABLE_DTYPES:
+            _finite(report, name, t)
+        elif t.is_floating_point():  # fp8 and friends: no isinf/isnan kernels, and no DoRA math in them
+            report.add("structure.dtype", "error", f"{name}: {t.dtype} is not audited (expected fp16, bf16, fp32 or fp64)")
+            return report
     if keys.fmt == "kohya":
         note_kohya(report, keys, tensors)
         return report
@@ -141,8 +147,8 @@ def _audit_module(adapter: SafetensorsFile, keys, cfg: AdapterConfig | None, bas
         report.add("structure.shape", "error", f"base weight {key}: expected shape {expected}, got {tuple(info.shape)}")
         return report
     W = base.get(key)
-    if not W.is_floating_point():
-        report.add("structure.dtype", "error", f"base weight {key}: expected a floating dtype, got {W.dtype}")
+    if W.dtype not in AUDITABLE_DTYPES:
+        report.add("structure.dtype", "error", f"base weight {key}: expected fp16, bf16, fp32 or fp64, got {W.dtype}")
         return report
     if not _finite(report, "weight", W):
         return report

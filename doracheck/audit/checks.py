@@ -96,7 +96,7 @@ def check_structure(report: ModuleReport, tensors: dict[str, torch.Tensor], conf
     assert A is not None and B is not None and m is not None
     ok = True
     for role, t in (("lora_A", A), ("lora_B", B), ("magnitude", m)):
-        if not t.is_floating_point():
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             report.add("structure.dtype", "error", f"{role}: expected a floating dtype, got {t.dtype}")
             ok = False
     if A.dim() != 2 or B.dim() != 2:

@@ -7,6 +7,7 @@ Exit codes: 0 no error-severity findings, 1 errors found (or warnings with --str
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 
@@ -37,6 +38,17 @@ def _table(report) -> str:
     return "\n".join(lines)
 
 
+def _finite_json(value):
+    """Non-finite floats become null (JSON has no Infinity/NaN); everything else unchanged."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_json(v) for v in value]
+    return value
+
+
 def run(args) -> int:
     from doracheck.audit import AuditInputError, audit_path, default_progress
     from doracheck.audit.sample import write_sample
@@ -53,7 +65,7 @@ def run(args) -> int:
         return 2
     summary = report.summary()
     if args.json:
-        print(json.dumps(report.as_dict(), indent=2, default=float))
+        print(json.dumps(_finite_json(report.as_dict()), indent=2, allow_nan=False))
     else:
         print(f"doracheck audit: {report.path} ({report.fmt}, {summary['modules']} modules)")
         for note in report.notes:

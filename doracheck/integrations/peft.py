@@ -14,8 +14,8 @@ backward that computes dx itself, so the base layer's backward GEMM never runs.
 
 Stays on PEFT's path (one info log line per ``enable`` call): embedding and conv DoRA,
 quantized or otherwise non-float base layers, a trainable base weight, and, per call, an
-active LoRA dropout in training mode (PEFT recomputes x_d·Wᵀ there) or variant keyword
-arguments (aLoRA offsets). Adapters added after ``enable`` need another ``enable`` call.
+active LoRA dropout in training mode (PEFT recomputes x_d·Wᵀ there), a non-contiguous base
+output, or variant keyword arguments (aLoRA offsets). Adapters added after ``enable`` need another ``enable`` call.
 PEFT is an optional dependency: importing this module needs it, the rest of doracheck not.
 """
 
@@ -43,7 +43,12 @@ class DoracheckDoraLinearVariant(DoraLinearVariant):
         weight = base_layer.weight
         dropout = module.lora_dropout[active_adapter]
         dropout_active = module.training and not isinstance(dropout, nn.Identity)
-        if dropout_active or weight.requires_grad or any(v is not None for v in kwargs.values()):
+        if (
+            dropout_active
+            or weight.requires_grad
+            or not result.is_contiguous()
+            or any(v is not None for v in kwargs.values())
+        ):
             return DoraLinearVariant.forward(module, active_adapter, x, result, **kwargs)
         return dora_from_base(
             x,

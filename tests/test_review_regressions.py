@@ -1,0 +1,156 @@
+"""Regression tests for defects found in review (each test names what used to go wrong)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import doracheck
+from doracheck.dispatch import use_path
+from doracheck.norm_cache import clear_norm_cache
+from doracheck.properties import props
+from doracheck.reference import dora_forward_ref, norm_terms_ref, rel_l2
+
+PATHS = ["torch"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available() else [])
+
+
+def _problem(dtype=torch.float32, seed=0, d_out=8, d_in=12, r=3):
+    gen = torch.Generator().manual_seed(seed)
+    W = (torch.randn(d_out, d_in, generator=gen) / 3).to(dtype)
+    A = torch.randn(r, d_in, generator=gen) / 3
+    B = torch.randn(d_out, r, generator=gen)
+    m = torch.rand(d_out, generator=gen) + 0.5
+    x = torch.randn(2, 5, d_in, generator=gen).to(dtype)
+    return x, W, A, B, m
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_noncontiguous_bias_is_read_correctly(path):
+    """The Triton kernels used to read a strided bias as if contiguous."""
+    x, W, A, B, m = _problem()
+    b = torch.arange(16.0)[::2]
+    with use_path(path):
+        y = doracheck.dora_linear(x, W, A, B, m, 2.0, b)
+    assert rel_l2(y, dora_forward_ref(x, W, A, B, m, 2.0, b)) < 1e-6
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_inplace_ops_on_the_output_are_allowed(path):
+    """The output used to be a view made inside the autograd.Function (in-place ops raised)."""
+    x, W, A, B, m = _problem()
+    b = torch.randn(8)
+    A.requires_grad_()
+    with use_path(path):
+        y = doracheck.dora_linear(x, W, A, B, m, 2.0, b)  # with a bias the saved tensor is z, not y
+        y.relu_()
+        y.sum().backward()
+    A_ref = A.detach().double().requires_grad_()
+    dora_forward_ref(x, W, A_ref, B, m, 2.0, b).relu().sum().backward()
+    assert rel_l2(A.grad, A_ref.grad) < 1e-5
+
+
+def test_rank_zero_is_rejected():
+    x, W, _, _, m = _problem()
+    with pytest.raises(ValueError, match="lora_A"):
+        doracheck.dora_linear(x, W, torch.zeros(0, 12), torch.zeros(8, 0), m, 2.0)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_fp16_adapters_with_large_gram_stay_finite(path):
+    """fp16 lora_B used to split G into fp16 pieces, which overflowed (NaN norm)."""
+    gen = torch.Generator().manual_seed(1)
+    W = torch.randn(6, 64, generator=gen).half()
+    A = (torch.randn(2, 64, generator=gen) * 40).half()
+    B = torch.randn(6, 2, generator=gen).half()
+    with use_path(path):
+        n = doracheck.factored_norm(W, A, B, 0.5)
+    ref = norm_terms_ref(W, A, B, 0.5).norm
+    assert torch.isfinite(n).all() and rel_l2(n, ref) < 1e-5
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_fp16_adapters_under_bf16_weights_keep_their_bits(path):
+    """A of another 16-bit dtype than W used to be rounded to W's dtype in the cross term."""
+    gen = torch.Generator().manual_seed(2)
+    W = torch.randn(16, 40, generator=gen).bfloat16()
+    A = (torch.randn(4, 40, generator=gen) * 0.3).half()
+    B = torch.randn(16, 4, generator=gen).half()
+    with use_path(path):
+        terms = doracheck.factored_norm(W, A, B, 2.0, return_terms=True)
+    ref = norm_terms_ref(W, A, B, 2.0)
+    assert rel_l2(terms.cross, ref.cross) < 1e-4
+
+
+def test_norm_cache_entries_are_per_path():
+    """A norm cached by one path used to be served to the other."""
+    if len(PATHS) < 2:
+        pytest.skip("needs the interpreter for the Triton path")
+    x, W, A, B, m = _problem()
+    clear_norm_cache()
+    from doracheck import norm_cache
+
+    with use_path("torch"):
+        doracheck.dora_linear(x, W, A, B, m, 2.0)
+    misses = norm_cache.norm_cache_stats()["misses"]
+    with use_path("triton"):
+        doracheck.dora_linear(x, W, A, B, m, 2.0)
+    assert norm_cache.norm_cache_stats()["misses"] == misses + 1
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_zero_magnitude_with_exact_norm_gradient_does_not_poison_dA(path):
+    """With detach_norm=False and one m_i = 0, dA used to be all NaN on the Triton path."""
+    x, W, A, B, m = _problem()
+    m[2] = 0
+    A.requires_grad_()
+    with use_path(path):
+        doracheck.dora_linear(x, W, A, B, m, 2.0, detach_norm=False).sum().backward()
+    assert torch.isfinite(A.grad).all()
+
+
+def test_merge_refuses_zero_magnitude_instead_of_corrupting_the_weight():
+    linear = torch.nn.Linear(6, 4)
+    layer = doracheck.DoRALinear.from_linear(linear, r=2, lora_alpha=4)
+    with torch.no_grad():
+        layer.magnitude[1] = 0
+    before = linear.weight.detach().clone()
+    with pytest.raises(ValueError, match="merge"):
+        layer.merge()
+    assert torch.equal(linear.weight, before)
+
+
+def test_dropout_mask_must_broadcast_to_x():
+    x, W, A, B, m = _problem()
+    with pytest.raises(ValueError, match="dropout_mask"):
+        doracheck.dora_linear(x[0, :1], W, A, B, m, 2.0, dropout_p=0.5, training=True, dropout_mask=torch.ones(3, 12))
+
+
+def test_property_worst_cases_do_not_drop_nan():
+    """max() over floats and `not (err <= worst)` used to let a NaN error pass."""
+    assert props._worst_of([1e-7, float("nan"), 2e-7]) != props._worst_of([1e-7, 2e-7])
+    assert math.isnan(props._worst_of([1e-7, float("nan"), 2e-7]))
+    nan_impl = props.Implementation("nan", lambda x, *a, **k: torch.full((*x.shape[:-1], a[0].shape[0]), float("nan"), dtype=x.dtype))
+    result = props.compose_near_one(nan_impl, torch.bfloat16, "cpu", seeds=(0,))[0]
+    assert result.status == "FAIL"
+
+
+def test_audit_fp8_base_and_json_without_infinity(tmp_path, capsys):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from doracheck.audit.sample import write_sample
+    from doracheck.cli.main import main
+
+    folder = write_sample(tmp_path / "s")
+    with safe_open(str(folder / "base_model.safetensors"), "pt") as f:
+        base = {k: f.get_tensor(k).to(torch.float8_e4m3fn) for k in f.keys()}
+    save_file(base, str(folder / "base_model.safetensors"))
+    code = main(["audit", str(folder), "--base", str(folder / "base_model.safetensors"), "--json", "--device", "cpu"])
+    out = capsys.readouterr().out
+    doc = json.loads(out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    assert code == 1
+    assert "structure.dtype" in {c["id"] for m in doc["modules"] for c in m["checks"]}
