@@ -150,19 +150,16 @@ def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p
     return y, saved
 
 
-def _scaled_grad_chunk(dy_c, h_c, g, n, bias, *, triton_path, from_output, cd):
+def _scaled_grad_chunk(dy_c, h_c, g, n, bias, *, triton_path, from_output):
     """(dz_c, partial dm sum) for one token chunk: dz = g⊙dy (saturated where n < eps) and
     Σ_t dy⊙h with h = y - b (= g⊙z, when ``from_output``) or h = z."""
     if triton_path:
         from doracheck.kernels import ops
 
         return ops.call("grad_scale_dm", dy_c, h_c, g, n, bias, from_output)
-    acc = n.dtype
-    dy_acc = dy_c.to(acc)
-    dz = dy_acc * g
-    limit = torch.finfo(cd).max
-    dz = torch.where((n < EPS) & (dz.abs() > limit), torch.sign(dz) * limit, dz).to(cd)
-    return dz, (dy_acc * h_c.to(acc)).sum(0)
+    from doracheck.kernels import grad_scale_dm_torch
+
+    return grad_scale_dm_torch(dy_c, h_c, g, n, bias, from_output=from_output)
 
 
 def _dm_sum_of_z(dm_sum, g, n, from_output):
@@ -205,7 +202,7 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
         keep_c = None if keep is None else (keep[t0:t1] if chunked else keep).to(cd) / (1.0 - dropout_p)
         x_d_c = x_c if keep_c is None else x_c * keep_c
         dz, dm_c = _scaled_grad_chunk(
-            dy_c, saved_h[t0:t1] if chunked else saved_h, g, n, bias, triton_path=triton_path, from_output=from_output, cd=cd
+            dy_c, saved_h[t0:t1] if chunked else saved_h, g, n, bias, triton_path=triton_path, from_output=from_output
         )
         dm_sum = dm_c if dm_sum is None else dm_sum.add_(dm_c)
         dzB = dz @ B  # (t, r)

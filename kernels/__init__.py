@@ -4,7 +4,7 @@ Each op has a torch implementation (runs anywhere); Triton implementations with 
 signatures live beside them. Which one runs is decided in ``doracheck.dispatch``.
 """
 
-from .compose_torch import compose_torch, scaled_grad_and_dm_sum_torch
+from .compose_torch import compose_torch, grad_scale_dm_torch
 from .norm_torch import FactoredNorm, combine_terms, factored_norm_torch, norm_chunk, norm_memory_bound
 
 __all__ = [
@@ -14,5 +14,5 @@ __all__ = [
     "factored_norm_torch",
     "norm_chunk",
     "norm_memory_bound",
-    "scaled_grad_and_dm_sum_torch",
+    "grad_scale_dm_torch",
 ]

@@ -42,10 +42,22 @@ def compose_torch(
     return out
 
 
-def scaled_grad_and_dm_sum_torch(dy: torch.Tensor, z: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dz, S): dz = g⊙dy rounded to dy.dtype, S = Σ_t dy⊙z accumulated in fp32 (d_out,)."""
-    f32 = torch.float64 if dy.dtype == torch.float64 else torch.float32
-    dy32 = dy.to(f32)
-    dz = (dy32 * g.to(f32)).to(dy.dtype)
-    dm_sum = (dy32 * z.to(f32)).sum(0)
-    return dz, dm_sum
+EPS = 1e-12
+
+
+def grad_scale_dm_torch(
+    dy: torch.Tensor, saved: torch.Tensor, g: torch.Tensor, n: torch.Tensor, bias: torch.Tensor | None, *, from_output: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch twin of ``grad_scale_dm_triton`` (same signature and results up to summation
+    order): dz = g⊙dy in dy.dtype, saturated at the dtype's largest finite value where n < eps
+    (g = m/eps there, so zero rows of W and B give 0, not inf·0); S = Σ_t dy⊙h with h = y - b
+    when ``from_output`` (h = g⊙z) and h = z otherwise, accumulated in fp32 (fp64 for fp64)."""
+    acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
+    dy_acc = dy.to(acc)
+    dz = dy_acc * g.to(acc)
+    limit = torch.finfo(dy.dtype).max
+    dz = torch.where((n < EPS) & (dz.abs() > limit), torch.sign(dz) * limit, dz).to(dy.dtype)
+    h = saved.to(acc)
+    if from_output and bias is not None:
+        h = h - bias.to(acc)
+    return dz, (dy_acc * h).sum(0)
