@@ -13,6 +13,8 @@ default fp32 adapters / bf16 adapters), doracheck_fp32/bf16 (the same PEFT DoRA 
 
 Usage (GPU): python benchmarks/bench_model.py --csv results/model_h200.csv
 Smaller smoke run: --layers 1 --hidden 512 --intermediate 1024 --seq 256 --new-tokens 8
+CPU smoke (no figures): --device cpu --layers 1 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2
+    --rank 8 --seq 32 --new-tokens 4 --reps 2
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def build(impl: str, args):
         vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq + args.new_tokens + 8,
     )
-    with torch.device("cuda"):
+    with torch.device(args.device):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     kind, adapter_dtype = impl.rsplit("_", 1)
     use_dora = "dora" in kind
@@ -57,21 +59,33 @@ def build(impl: str, args):
     return model
 
 
-def timed(fn, reps: int):
+def timed(fn, reps: int, device: str = "cuda"):
+    """Median ms over ``reps`` calls: CUDA events on a GPU, perf_counter on the CPU (smoke runs)."""
     times = []
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times), times
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def measure(impl: str, args) -> dict:
     model = build(impl, args)
-    ids = torch.randint(0, 32000, (1, args.seq), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    dev = args.device
+    ids = torch.randint(0, 32000, (1, args.seq), generator=torch.Generator().manual_seed(1)).to(dev)
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step():
@@ -82,11 +96,12 @@ def measure(impl: str, args) -> dict:
 
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step_ms, _ = timed(step, args.reps)
-    step_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
+    _sync(dev)
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    step_ms, _ = timed(step, args.reps, dev)
+    step_gib = (torch.cuda.max_memory_allocated() - base) / 2**30 if dev == "cuda" else float("nan")
 
     def infer():
         model.eval()
@@ -94,19 +109,21 @@ def measure(impl: str, args) -> dict:
             model(ids)
 
     infer()
-    infer_ms, _ = timed(infer, args.reps)
+    infer_ms, _ = timed(infer, args.reps, dev)
     model.eval()
+    model.gradient_checkpointing_disable()  # generation with the KV cache (checkpointing turns it off)
     prompt = ids[:, :32]
     with torch.no_grad():
         model.generate(prompt, max_new_tokens=4, do_sample=False)
-        torch.cuda.synchronize()
+        _sync(dev)
         t0 = time.perf_counter()
         out = model.generate(prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
-        torch.cuda.synchronize()
+        _sync(dev)
         decode_tps = (out.shape[1] - prompt.shape[1]) / (time.perf_counter() - t0)
     del model
     gc.collect()
-    torch.cuda.empty_cache()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
     return {"impl": impl, "step_ms": round(step_ms, 2), "step_gib": round(step_gib, 3), "infer_ms": round(infer_ms, 2),
             "decode_tok_s": round(decode_tps, 1)}
 
@@ -124,9 +141,10 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--csv")
+    ap.add_argument("--device", default="cuda", help="cuda for figures; cpu only for a smoke run at tiny sizes")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_model: needs a CUDA device")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_model: needs a CUDA device (or --device cpu for a smoke run)")
         return 2
     import peft
     import transformers
@@ -135,7 +153,7 @@ def main(argv=None) -> int:
     rows = []
     for impl in args.impls.split(","):
         row = measure(impl, args)
-        row.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+        row.update(gpu=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__, triton=triton.__version__,
                    peft=peft.__version__, transformers=transformers.__version__)
         rows.append(row)
         print(row, flush=True)
