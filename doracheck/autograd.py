@@ -319,11 +319,12 @@ class DoRAFromBaseFunction(torch.autograd.Function):
     (marked dirty), so the layer adds no T×d_out buffer and runs no second x·Wᵀ. The backward
     is ``_backward``'s: it returns the whole dx = dz·W + s·(dz·B)·A itself and no gradient to
     ``result``, so the base layer's own backward (another d_out×d_in GEMM) never runs. Only
-    for frozen W (the caller checks); no dropout (PEFT's path handles that).
+    for frozen W (the caller checks). With dropout (``keep_mask``, x_d = x·keep/(1-p)), as
+    PEFT: y = result + (g-1)⊙(x_d·Wᵀ) + g⊙s⊙(x_d·Aᵀ)·Bᵀ, one extra x_d·Wᵀ GEMM, z_d saved.
     """
 
     @staticmethod
-    def forward(ctx, result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out):
+    def forward(ctx, result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask=None, dropout_p=0.0):
         # ``result`` comes first: when it is a view (F.linear on 3-D input), autograd rebases its
         # history through CopySlices, which takes the dirty tensor's gradient from slot 0.
         from doracheck.kernels import ops
@@ -340,10 +341,28 @@ class DoRAFromBaseFunction(torch.autograd.Function):
             weight, lora_A, lora_B, magnitude, s, fan_in_fan_out, True, "triton" if triton_path else "torch"
         )
         A = lora_A if lora_A.dtype == cd else lora_A.to(cd)
-        xa = x2 @ A.t()
+        keep = None
+        x_d = x2
+        if keep_mask is not None:
+            keep = keep_mask.expand(x.shape).reshape(-1, x.shape[-1])
+            x_d = x2 * keep.to(cd) / (1.0 - dropout_p)
+        xa = x_d @ A.t()
         r2 = result.view(-1, d_out)  # callers pass a contiguous result (the PEFT variant checks)
         from_output = False
-        if triton_path and bias is None:
+        if keep is not None:
+            W = _rows(weight, fan_in_fan_out)
+            base_d = x_d @ (W if W.dtype == cd else W.to(cd)).t()
+            if triton_path:  # y = result + (g-1)⊙base_d + g⊙s⊙lora_d (result already holds b)
+                y, saved_h = ops.call("lora_up_compose_dropout", r2, base_d, xa, lora_B, g, None, s)
+                r2.copy_(y)
+                del y
+            else:
+                acc = fn.norm.dtype
+                B = lora_B if lora_B.dtype == cd else lora_B.to(cd)
+                lora = (xa @ B.t()).to(acc)
+                r2.copy_(r2.to(acc) + (g - 1.0) * base_d.to(acc) + (g * s) * lora)
+                saved_h = (base_d.to(acc) + s * lora).to(cd)
+        elif triton_path and bias is None:
             ops.call("lora_up_compose_", r2, xa, lora_B, g, None, s)
             saved_h, from_output = result, True  # saved as the output itself (a view of it would be refused)
         elif triton_path:
@@ -357,10 +376,10 @@ class DoRAFromBaseFunction(torch.autograd.Function):
             r2.copy_(y)
             saved_h = z.to(cd)
         ctx.mark_dirty(result)
-        tensors = (x2, None, xa, saved_h, g, fn.norm, n_safe, None, None)
+        tensors = (x2, keep, xa, saved_h, g, fn.norm, n_safe, None, None)
         ctx.save_for_backward(*tensors, weight, lora_A, lora_B, magnitude, bias)
         ctx.flags = (triton_path, from_output)
-        ctx.args = (s, fan_in_fan_out, x.shape[:-1])
+        ctx.args = (s, fan_in_fan_out, x.shape[:-1], float(dropout_p))
         return result
 
     @staticmethod
@@ -369,15 +388,18 @@ class DoRAFromBaseFunction(torch.autograd.Function):
         saved_h = saved_h.reshape(-1, g.shape[0])
         saved = {"x2": x2, "keep": keep, "xa": xa, "saved_h": saved_h, "g": g, "n": n, "n_safe": n_safe, "U": U, "G": G}
         saved["triton_path"], saved["from_output"] = ctx.flags
-        s, fan_in_fan_out, lead = ctx.args
+        s, fan_in_fan_out, lead, dropout_p = ctx.args
         need = ctx.needs_input_grad  # result, x, weight, lora_A, lora_B, magnitude, bias
         dx, _dW, dA, dB, dm, db = _backward(
-            saved, dy, weight, lora_A, lora_B, magnitude, bias, s, 0.0, True, fan_in_fan_out, lead,
+            saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout_p, True, fan_in_fan_out, lead,
             (need[1], False, need[3], need[4], need[5], need[6]),
         )
-        return None, dx, None, dA, dB, dm, db, None, None
+        return None, dx, None, dA, dB, dm, db, None, None, None, None
 
 
-def dora_from_base(x, result, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out=False):
-    """``DoRAFromBaseFunction``: y = g⊙(result - b + s·(x·Aᵀ)·Bᵀ) + b written into ``result``."""
-    return DoRAFromBaseFunction.apply(result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out)
+def dora_from_base(x, result, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out=False, keep_mask=None, dropout_p=0.0):
+    """``DoRAFromBaseFunction``: y = g⊙(result - b + s·(x·Aᵀ)·Bᵀ) + b written into ``result``
+    (with a bool ``keep_mask``: PEFT's dropout form, see the class)."""
+    return DoRAFromBaseFunction.apply(
+        result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask, dropout_p
+    )

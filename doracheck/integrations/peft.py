@@ -13,9 +13,10 @@ unchanged, so generation pays for it once), the fused up-projection + stable com
 backward that computes dx itself, so the base layer's backward GEMM never runs.
 
 Stays on PEFT's path (one info log line per ``enable`` call): embedding and conv DoRA,
-quantized or otherwise non-float base layers, a trainable base weight, and, per call, an
-active LoRA dropout in training mode (PEFT recomputes x_d·Wᵀ there), a non-contiguous base
-output, or variant keyword arguments (aLoRA offsets). Adapters added after ``enable`` need another ``enable`` call.
+quantized or otherwise non-float base layers, a trainable base weight, and, per call, a
+dropout module other than ``nn.Dropout``, a non-contiguous base output, or variant keyword
+arguments (aLoRA offsets). LoRA dropout (``nn.Dropout``) is accelerated with PEFT's
+semantics: x_d·Wᵀ is computed once more, as PEFT does, and the keep-mask is PEFT's own draw. Adapters added after ``enable`` need another ``enable`` call.
 PEFT is an optional dependency: importing this module needs it, the rest of doracheck not.
 """
 
@@ -43,13 +44,18 @@ class DoracheckDoraLinearVariant(DoraLinearVariant):
         weight = base_layer.weight
         dropout = module.lora_dropout[active_adapter]
         dropout_active = module.training and not isinstance(dropout, nn.Identity)
+        p = float(getattr(dropout, "p", 0.0))
         if (
-            dropout_active
-            or weight.requires_grad
+            weight.requires_grad
             or not result.is_contiguous()
             or any(v is not None for v in kwargs.values())
+            or (dropout_active and not isinstance(dropout, nn.Dropout))
         ):
             return DoraLinearVariant.forward(module, active_adapter, x, result, **kwargs)
+        keep = None
+        if dropout_active and p > 0:
+            # The same draw PEFT's dropout(x) would make (same shape, dtype, device, RNG state).
+            keep = dropout(torch.ones_like(x)) != 0
         return dora_from_base(
             x,
             result,
@@ -60,6 +66,8 @@ class DoracheckDoraLinearVariant(DoraLinearVariant):
             base_layer.bias,
             module.scaling[active_adapter],
             module.fan_in_fan_out,
+            keep,
+            p if keep is not None else 0.0,
         )
 
 
