@@ -8,22 +8,18 @@ import sys
 
 
 def run(args) -> int:
-    import torch
 
-    from doracheck.cli.verify_cmd import UsageError, parse_dtypes
-    from doracheck.implementations import ImplementationError, resolve
+    from doracheck.cli.verify_cmd import _device, impl_and_dtypes
     from doracheck.properties.calibrate import calibrate
 
-    try:
-        dtypes = parse_dtypes(args.dtype)
-        impl = resolve(args.impl)
-    except (UsageError, ImplementationError) as exc:
-        print(f"doracheck calibrate: {exc}", file=sys.stderr)
+    resolved = impl_and_dtypes(args, "calibrate")
+    if resolved is None:
         return 2
+    impl, dtypes = resolved
     if args.cases < 1:
         print("doracheck calibrate: --cases must be at least 1", file=sys.stderr)
         return 2
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = _device()
     proposals = calibrate(impl, dtypes, args.cases, device)
     if args.json:
         print(json.dumps([p.__dict__ for p in proposals], indent=2))

@@ -27,6 +27,18 @@ def parse_dtypes(text: str) -> list[str]:
     return names
 
 
+def impl_and_dtypes(args, command: str):
+    """(Implementation, dtype names) from --impl and --dtype, or None after printing the usage
+    error (exit code 2 for the caller); shared by verify and calibrate."""
+    from doracheck.implementations import ImplementationError, resolve
+
+    try:
+        return resolve(args.impl), parse_dtypes(args.dtype)
+    except (UsageError, ImplementationError) as exc:
+        print(f"doracheck {command}: {exc}", file=sys.stderr)
+        return None
+
+
 def _device() -> str:
     import torch
 
@@ -53,16 +65,13 @@ def format_table(results) -> str:
 
 
 def run(args) -> int:
-    from doracheck.implementations import ImplementationError, resolve
     from doracheck.properties import device_family, run_suite
 
     profile = "quick" if args.quick else args.profile
-    try:
-        dtypes = parse_dtypes(args.dtype)
-        impl = resolve(args.impl)
-    except (UsageError, ImplementationError) as exc:
-        print(f"doracheck verify: {exc}", file=sys.stderr)
+    resolved = impl_and_dtypes(args, "verify")
+    if resolved is None:
         return 2
+    impl, dtypes = resolved
     device = _device()
     start = time.perf_counter()
     progress = None if args.json else (lambda msg: print(f"verify: {msg}", file=sys.stderr, flush=True))
