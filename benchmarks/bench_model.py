@@ -100,7 +100,7 @@ def measure(impl: str, args) -> dict:
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    step_ms, _ = timed(step, args.reps, dev)
+    step_ms, step_times = timed(step, args.reps, dev)
     step_gib = (torch.cuda.max_memory_allocated() - base) / 2**30 if dev == "cuda" else float("nan")
 
     def infer():
@@ -109,7 +109,7 @@ def measure(impl: str, args) -> dict:
             model(ids)
 
     infer()
-    infer_ms, _ = timed(infer, args.reps, dev)
+    infer_ms, infer_times = timed(infer, args.reps, dev)
     model.eval()
     model.gradient_checkpointing_disable()  # generation with the KV cache (checkpointing turns it off)
     prompt = ids[:, :32]
@@ -124,8 +124,19 @@ def measure(impl: str, args) -> dict:
     gc.collect()
     if dev == "cuda":
         torch.cuda.empty_cache()
-    return {"impl": impl, "step_ms": round(step_ms, 2), "step_gib": round(step_gib, 3), "infer_ms": round(infer_ms, 2),
+    return {"impl": impl, "step_ms": round(step_ms, 2), "step_ms_p20": round(quantile(step_times, 0.2), 2),
+            "step_ms_p80": round(quantile(step_times, 0.8), 2), "step_gib": round(step_gib, 3), "infer_ms": round(infer_ms, 2),
+            "infer_ms_p20": round(quantile(infer_times, 0.2), 2), "infer_ms_p80": round(quantile(infer_times, 0.8), 2),
             "decode_tok_s": round(decode_tps, 1)}
+
+
+def quantile(values, q: float) -> float:
+    """The q-quantile of the timings (linear interpolation, as numpy's default)."""
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def main(argv=None) -> int:

@@ -19,9 +19,11 @@ else:
     # cuBLAS is bitwise reproducible only with a fixed workspace configuration (PyTorch's
     # reproducibility notes); set before the first cuBLAS handle so determinism tests hold.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    if torch.cuda.device_count() > 1 and worker.startswith("gw") and worker[2:].isdigit():
-        torch.cuda.set_device(int(worker[2:]) % torch.cuda.device_count())
+    from doracheck.testing import gpu_for_worker
+
+    _gpu = gpu_for_worker(os.environ.get("PYTEST_XDIST_WORKER"), torch.cuda.device_count())
+    if _gpu is not None:
+        torch.cuda.set_device(_gpu)
 
 try:
     from hypothesis import HealthCheck, settings

@@ -1,0 +1,135 @@
+"""Model-level equivalence on a GPU (issue 6): ``enable``d PEFT DoRA against plain PEFT DoRA.
+
+The benchmark model of bench_model.py (LLaMA-style, hidden 4096, intermediate 14336, 32 heads,
+8 KV heads, 4 layers, bf16 weights, random init; DoRA r = 384, alpha = 768 on every linear
+layer, PEFT's default fp32 adapters, non-zero lora_B):
+1. logits of one sequence (``--seq`` tokens), plain PEFT against ``enable``: cosine, rel_l2 and
+   the largest difference, next to the largest logit; and each against an fp32 forward of the
+   same PEFT model (so the reader sees which side is nearer to the unrounded result);
+2. ``--steps`` AdamW steps side by side (same seed, same batches, bf16 autocast, sequence
+   ``--train-seq``): per-step |Δloss| mean and max, and rel_l2 of every adapter at the end;
+3. save with one and load with the other: logits of the reloaded model against the saver's.
+Prints one JSON object; exit 1 when cosine < 0.99999, mean |Δloss| > 1e-3 or a reload differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+
+import torch
+
+
+def build(args, seed: int = 0):
+    import peft
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=max(args.seq, args.train_seq) + 8,
+    )
+    with torch.device(args.device):
+        base = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = peft.get_peft_model(base, peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, use_dora=True, target_modules=targets))
+    gen = torch.Generator(device=args.device).manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen, device=args.device) * 0.01)
+    return model
+
+
+def cosine(a, b) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
+
+
+def rel_l2(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--intermediate", type=int, default=14336)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--rank", type=int, default=384)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--train-seq", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--json-out")
+    args = ap.parse_args(argv)
+    from doracheck.integrations.peft import enable
+
+    import peft
+
+    plain = build(args)
+    ours = enable(copy.deepcopy(plain))
+    ids = torch.randint(0, 32000, (1, args.seq), generator=torch.Generator().manual_seed(1)).to(args.device)
+    report: dict = {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+                    "peft": peft.__version__, "shape": vars(args)}
+    with torch.no_grad():
+        a = plain(ids).logits.float()
+        b = ours(ids).logits.float()
+        ref = copy.deepcopy(plain).float()(ids).logits
+    report["logits"] = {
+        "cosine": cosine(a, b), "rel_l2": rel_l2(b, a), "max_abs_diff": float((a - b).abs().max()),
+        "max_abs_logit": float(a.abs().max()), "rel_l2_peft_vs_fp32": rel_l2(a, ref), "rel_l2_doracheck_vs_fp32": rel_l2(b, ref),
+    }
+    del a, b, ref
+
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4) for m in (plain, ours)]
+    deltas = []
+    for step in range(args.steps):
+        batch = torch.randint(0, 32000, (1, args.train_seq), generator=torch.Generator().manual_seed(100 + step)).to(args.device)
+        losses = []
+        for model, opt in zip((plain, ours), opts):
+            model.train()
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.device == "cuda"):
+                loss = model(batch, labels=batch).loss
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        deltas.append(abs(losses[0] - losses[1]))
+    worst = max(
+        ((name, rel_l2(q, p)) for (name, p), q in zip(plain.named_parameters(), ours.parameters()) if p.requires_grad),
+        key=lambda t: t[1],
+    )
+    report["training"] = {"steps": args.steps, "mean_abs_dloss": sum(deltas) / len(deltas), "max_abs_dloss": max(deltas),
+                          "worst_adapter_rel_l2": worst[1], "worst_adapter": worst[0]}
+
+    short = ids[:, :256]
+    with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
+        ours.eval()
+        plain.eval()
+        ours.save_pretrained(f"{tmp}/ours")
+        plain.save_pretrained(f"{tmp}/plain")
+        base = build(args, seed=0).get_base_model()  # same base weights (same seed), adapters replaced by loading
+        loaded_in_peft = peft.PeftModel.from_pretrained(base, f"{tmp}/ours").eval()
+        d1 = rel_l2(loaded_in_peft(short).logits, ours(short).logits)
+        del loaded_in_peft, base
+        base = build(args, seed=0).get_base_model()
+        loaded_in_ours = enable(peft.PeftModel.from_pretrained(base, f"{tmp}/plain").eval())
+        d2 = rel_l2(loaded_in_ours(short).logits, plain(short).logits)
+    report["save_load"] = {"ours_saved_peft_loaded_rel_l2": d1, "peft_saved_ours_loaded_rel_l2": d2}
+    ok = report["logits"]["cosine"] >= 0.99999 and report["training"]["mean_abs_dloss"] <= 1e-3 and max(d1, d2) <= 1e-2
+    report["pass"] = ok
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(text)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
