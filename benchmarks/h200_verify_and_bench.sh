@@ -24,7 +24,7 @@ step() {  # step NAME SECONDS CMD...: run, log to $R/NAME.log, remember the exit
 # memcheck of every kernel path at small shapes beside it.
 step pytest_n_auto 220 $PY -m pytest -n auto -q -p no:cacheprovider -rs &
 P1=$!
-CUDA_VISIBLE_DEVICES=1 step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 3 $PY benchmarks/gpu_smoke.py --small &
+( export CUDA_VISIBLE_DEVICES=1; step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 3 $PY benchmarks/gpu_smoke.py --small ) &
 wait
 # Phase B: benchmarks alone on GPU 0; verify, calibrate and model equivalence on GPU 1.
 (
