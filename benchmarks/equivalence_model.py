@@ -67,9 +67,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json-out")
     args = ap.parse_args(argv)
-    from doracheck.integrations.peft import enable
-
     import peft
+
+    from doracheck.integrations.peft import enable
 
     plain = build(args)
     ours = enable(copy.deepcopy(plain))

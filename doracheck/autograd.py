@@ -122,12 +122,10 @@ def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p
     from_output = False
     if triton_path:
         if keep is None and (bias is None or not need_saved):
-            ops.call("lora_up_compose_", base, xa, lora_B, g, bias, s)
-            y = saved_h = base
+            y = saved_h = ops.call("lora_up_compose_", base, xa, lora_B, g, bias, s)  # in place in eager
             from_output = bias is None
         elif keep is None:  # with a bias, z from y - b loses digits where |b| >> |g·z|: save z
-            saved_h = ops.call("lora_up_compose_save_z_", base, xa, lora_B, g, bias, s)
-            y = base
+            y, saved_h = ops.call("lora_up_compose_save_z_", base, xa, lora_B, g, bias, s)
         else:
             y, saved_h = ops.call("lora_up_compose_dropout", base, x_d @ W.t(), xa, lora_B, g, bias, s)
     else:
@@ -363,10 +361,14 @@ class DoRAFromBaseFunction(torch.autograd.Function):
                 r2.copy_(r2.to(acc) + (g - 1.0) * base_d.to(acc) + (g * s) * lora)
                 saved_h = (base_d.to(acc) + s * lora).to(cd)
         elif triton_path and bias is None:
-            ops.call("lora_up_compose_", r2, xa, lora_B, g, None, s)
+            y = ops.call("lora_up_compose_", r2, xa, lora_B, g, None, s)
+            if y is not r2:  # traced: the functional op returned a new tensor
+                r2.copy_(y)
             saved_h, from_output = result, True  # saved as the output itself (a view of it would be refused)
         elif triton_path:
-            saved_h = ops.call("lora_up_compose_save_z_", r2, xa, lora_B, g, bias, s, True)
+            y, saved_h = ops.call("lora_up_compose_save_z_", r2, xa, lora_B, g, bias, s, True)
+            if y is not r2:
+                r2.copy_(y)
         else:
             acc = fn.norm.dtype
             B = lora_B if lora_B.dtype == cd else lora_B.to(cd)

@@ -27,9 +27,9 @@ def doracheck_implementation(path: str | None = None) -> Implementation:
     from doracheck.kernels.settings import triton_norm_memory_bound
     from doracheck.norm_cache import clear_norm_cache
 
-    def bound(d_out, d_in, r, device="cpu"):
+    def bound(d_out, d_in, r, device="cpu", lora_B_dtype=None):
         on_triton = choose_path(torch.device(device)).name == "triton" and path != "torch"
-        return triton_norm_memory_bound(d_out, d_in, r) if on_triton else norm_memory_bound(d_out, d_in, r)
+        return triton_norm_memory_bound(d_out, d_in, r, lora_B_dtype) if on_triton else norm_memory_bound(d_out, d_in, r)
 
     wrap = (lambda f: forced_path(path, f)) if path else (lambda f: f)
     return Implementation(

@@ -9,10 +9,18 @@ In eager mode the functions below call the implementations directly (``call``): 
 through the dispatcher and ``wrap_triton`` costs about 0.2 ms of CPU per call, which would
 dominate decode (T = 1) on an H200.
 
+Every registered op is functional (no argument is mutated). In eager, ``call`` writes y in
+place into the base output (``lora_up_compose_`` and ``lora_up_compose_save_z_``, saving a
+T×d_out buffer); while tracing it calls the functional op and returns a new y, and callers
+use the returned tensor either way. Why: a kernel that reads and writes the same buffer,
+registered with ``mutates_args``, came out wrong under torch.compile with Inductor on the
+H200 (torch 2.11: y off by 43% rel_l2 against eager, tests/test_kernels_gpu.py, 2026-11-29),
+while the functional form leaves buffer reuse to Inductor's own reinplacing.
+
 Ops (namespace ``doracheck``):
 - ``factored_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out) -> (base, cross, lora, norm)``
-- ``lora_up_compose_(base!, xa, lora_B, g, bias?, scaling)``: y written in place into base
-- ``lora_up_compose_save_z_(base!, xa, lora_B, g, bias?, scaling, base_has_bias) -> z``: the same, plus
+- ``lora_up_compose(base, xa, lora_B, g, bias?, scaling) -> y``
+- ``lora_up_compose_save_z(base, xa, lora_B, g, bias?, scaling, base_has_bias) -> (y, z)``: also
   z = base + s·lora (with ``base_has_bias`` base is x·Wᵀ + b, as a PEFT base layer returns it)
 - ``lora_up_compose_dropout(base, base_dropped, xa, lora_B, g, bias?, scaling) -> (y, z_d)``
 - ``grad_scale_dm(dy, saved, g, n, bias?, from_output) -> (dz, dm_sum)``
@@ -40,17 +48,38 @@ def _factored_norm(
 
 def _lora_up_compose_(
     base: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor, g: torch.Tensor, bias: torch.Tensor | None, scaling: float
-) -> None:
+) -> torch.Tensor:
+    """Eager only: y written in place into ``base``, which is returned."""
     lora_up_compose_triton(base, xa, lora_B, g, scaling, bias, out=base)
+    return base
+
+
+def _lora_up_compose(
+    base: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor, g: torch.Tensor, bias: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
+    y = torch.empty_like(base)
+    lora_up_compose_triton(base, xa, lora_B, g, scaling, bias, out=y)
+    return y
 
 
 def _lora_up_compose_save_z_(
     base: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor, g: torch.Tensor, bias: torch.Tensor | None, scaling: float,
     base_has_bias: bool = False,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager only: (y written in place into ``base``, z)."""
     z = torch.empty_like(base)
     lora_up_compose_triton(base, xa, lora_B, g, scaling, bias, out=base, z_out=z, base_has_bias=base_has_bias)
-    return z
+    return base, z
+
+
+def _lora_up_compose_save_z(
+    base: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor, g: torch.Tensor, bias: torch.Tensor | None, scaling: float,
+    base_has_bias: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    y = torch.empty_like(base)
+    z = torch.empty_like(base)
+    lora_up_compose_triton(base, xa, lora_B, g, scaling, bias, out=y, z_out=z, base_has_bias=base_has_bias)
+    return y, z
 
 
 def _lora_up_compose_dropout(
@@ -75,8 +104,8 @@ def _grad_scale_dm(
 
 
 factored_norm_op = triton_op("doracheck::factored_norm", _factored_norm, mutates_args=())
-lora_up_compose_op = triton_op("doracheck::lora_up_compose_", _lora_up_compose_, mutates_args={"base"})
-lora_up_compose_save_z_op = triton_op("doracheck::lora_up_compose_save_z_", _lora_up_compose_save_z_, mutates_args={"base"})
+lora_up_compose_op = triton_op("doracheck::lora_up_compose", _lora_up_compose, mutates_args=())
+lora_up_compose_save_z_op = triton_op("doracheck::lora_up_compose_save_z", _lora_up_compose_save_z, mutates_args=())
 lora_up_compose_dropout_op = triton_op("doracheck::lora_up_compose_dropout", _lora_up_compose_dropout, mutates_args=())
 grad_scale_dm_op = triton_op("doracheck::grad_scale_dm", _grad_scale_dm, mutates_args=())
 
@@ -89,8 +118,12 @@ _EAGER: dict[str, Callable[..., Any]] = {
 }
 
 
+_TRACED = {"lora_up_compose_": "lora_up_compose", "lora_up_compose_save_z_": "lora_up_compose_save_z"}
+
+
 def call(name: str, *args):
-    """Run op ``name``: through ``torch.ops.doracheck`` while tracing, directly in eager."""
+    """Run op ``name``: directly in eager; while tracing through ``torch.ops.doracheck``, where
+    the in-place names map to their functional ops (use the returned tensors)."""
     if tracing():
-        return getattr(torch.ops.doracheck, name)(*args)
+        return getattr(torch.ops.doracheck, _TRACED.get(name, name))(*args)
     return _EAGER[name](*args)

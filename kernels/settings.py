@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
+import torch
+
 NORM_CHUNK_BYTES = 32 * 1024 * 1024
 
 
@@ -116,9 +118,12 @@ def backward_token_chunk(T: int, d_out: int, itemsize: int) -> int:
     return max(1, min(T, BACKWARD_CHUNK_BYTES // per_token)) if T * per_token > BACKWARD_CHUNK_BYTES else max(T, 1)
 
 
-def triton_norm_memory_bound(d_out: int, d_in: int, r: int) -> int:
+def triton_norm_memory_bound(d_out: int, d_in: int, r: int, lora_B_dtype: torch.dtype | None = None) -> int:
     """Bytes the Triton factored norm allocates: the Gram partials (splits, r, r) and G, the
-    per-column-tile partials of cross and lora (2 × n_tiles × d_out) and the four term vectors."""
+    per-column-tile partials of cross and lora (2 × n_tiles × d_out) and the four term vectors;
+    plus an fp32 copy of B (d_out × r) when B is fp16 (the lora term's GEMM runs on it, since
+    fp16 pieces of G would overflow; norm_triton.factored_norm_triton)."""
     cfg = gram_config(r, d_in)
     n_tiles = -(-r // 256) if r else 1
-    return 4 * (r * r * (cfg.splits + 1) + d_out * (2 * n_tiles + 4))
+    b_copy = d_out * r if lora_B_dtype == torch.float16 else 0
+    return 4 * (r * r * (cfg.splits + 1) + d_out * (2 * n_tiles + 4) + b_copy)

@@ -52,7 +52,7 @@ class Implementation:
     factored_norm: Callable[..., object] | None = None
     module_cls: type | None = None
     clear_cache: Callable[[], None] | None = None
-    norm_memory_bound: Callable[..., int] | None = None  # (d_out, d_in, r, device) -> bytes it declares
+    norm_memory_bound: Callable[..., int] | None = None  # (d_out, d_in, r, device, lora_B_dtype=) -> bytes it declares
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -167,7 +167,7 @@ def norm_memory(impl: Implementation, dtype: torch.dtype, family: str, device="c
     norm_fn = impl.factored_norm
     peak = peak_extra_bytes(lambda: norm_fn(W, A, B, 2.0), device)
     dense = 4 * d_out * d_in
-    limit = min(dense / 4, bound(d_out, d_in, r, device) if bound else dense / 4)
+    limit = min(dense / 4, bound(d_out, d_in, r, device, lora_B_dtype=dtype) if bound else dense / 4)
     return [_result("norm.memory", dt, float(peak), float(limit), 1, f"peak {peak / 2**20:.1f} MiB, limit {limit / 2**20:.1f} MiB, dense fp32 {dense / 2**20:.0f} MiB")]
 
 
