@@ -65,6 +65,12 @@ def _bt_diag_w(Bc: torch.Tensor, weight: torch.Tensor, fan_in_fan_out: bool) -> 
     return out
 
 
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
+    """s·(a·b) as one GEMM with alpha = s: scaled in the fp32 accumulator and rounded once,
+    with no fp32 copy of the (r × d_in or d_out × r) result."""
+    return torch.addmm(a.new_zeros(()), a, b, beta=0, alpha=s)
+
+
 def _norm_and_scale(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out, detach_norm, path="torch"):
     """(FactoredNorm, g = m / max(n, eps), max(n, eps)). The norm comes from the norm cache
     while W, A, B are unchanged; g is recomputed each call (two small kernels), because the
@@ -216,8 +222,11 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
                 out += dropped
         # Adapter gradients: one chunk -> straight from the GEMM; several -> fp32 accumulators.
         if need[3]:
-            part = dz.t() @ (xa[t0:t1] if chunked else xa)
-            dB_acc = part if not chunked else (part.to(acc) if dB_acc is None else dB_acc.add_(part))
+            if not chunked:  # s applied inside the GEMM (one rounding, no fp32 copy of dB)
+                dB_acc = _scaled_mm(dz.t(), xa, s)
+            else:
+                part = dz.t() @ xa[t0:t1]
+                dB_acc = part.to(acc) if dB_acc is None else dB_acc.add_(part)
         if dzB_all is not None:
             dzB_all[t0:t1] = dzB
         if need[1]:
@@ -229,7 +238,7 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
     dA_acc = None
     if need[2] and T > 0:
         x_d = x2 if keep is None else x2 * (keep.to(cd) / (1.0 - dropout_p))
-        dA_acc = (dzB_all if chunked else dzB).t() @ x_d
+        dA_acc = _scaled_mm((dzB_all if chunked else dzB).t(), x_d, s)
     if T == 0:
         dm_sum = torch.zeros(d_out, dtype=acc, device=x2.device)
         dB_acc = torch.zeros(d_out, A.shape[0], dtype=acc, device=x2.device) if need[3] else None
@@ -239,8 +248,9 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
     dm_sum = _dm_sum_of_z(dm_raw, g, n, from_output)
 
     dx = dx2.reshape(*lead, d_in) if dx2 is not None else None
-    dB = dB_acc.to(acc).mul_(s) if dB_acc is not None else None
-    dA = dA_acc.to(acc).mul_(s) if dA_acc is not None else None
+    # s is already in the GEMM's alpha, except for the fp32 accumulator of a chunked dB.
+    dB = (dB_acc.mul_(s) if chunked and T > 0 else dB_acc) if dB_acc is not None else None
+    dA = dA_acc
     dm = (dm_sum / n_safe).to(magnitude.dtype) if need[4] else None
     db = dy2.to(acc).sum(0).to(bias.dtype) if (need[5] and bias is not None) else None
 

@@ -7,6 +7,9 @@ of ``doracheck.properties`` for this device's family.
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 import doracheck
@@ -41,6 +44,7 @@ def check_against_oracle(case, dtype, **kwargs):
     name = DTYPE_NAMES[dtype]
     errors = {"y": rel_l2(y, y_ref)}
     errors.update({k: rel_l2(a, b) for k, a, b in zip(GRAD_NAMES, grads, grads_ref)})
+    _record(case.label, family, name, errors)
     assert y.dtype == dtype and y.shape == y_ref.shape
     budget = budget_for("forward", "y", name, family).rel_l2
     assert errors["y"] <= budget, f"y: rel err {errors['y']:.3e} > budget {budget:.3e} ({case.label}, {family})"
@@ -48,6 +52,19 @@ def check_against_oracle(case, dtype, **kwargs):
         b = budget_for("backward", k, name, family).rel_l2
         assert errors[k] <= b, f"{k}: rel err {errors[k]:.3e} > budget {b:.3e} ({case.label}, {family})"
     return errors
+
+
+def _record(label: str, family: str, dtype: str, errors: dict) -> None:
+    """With DORACHECK_RECORD_ERRORS=DIR, append this case's errors to DIR/<xdist worker>.jsonl
+    (one file per process, so xdist workers never share one): the measurements behind the
+    budget rows of real-shape GPU cases (properties/budgets.py cites them)."""
+    folder = os.environ.get("DORACHECK_RECORD_ERRORS")
+    if not folder:
+        return
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, os.environ.get("PYTEST_XDIST_WORKER", "main") + ".jsonl")
+    with open(path, "a") as f:
+        f.write(json.dumps({"case": label, "family": family, "dtype": dtype, "errors": errors}) + "\n")
 
 
 __all__ = ["check_against_oracle", "make_case", "oracle", "run_case"]
