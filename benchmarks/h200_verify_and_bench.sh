@@ -4,22 +4,7 @@
 # table of outcomes is printed last. Every step is bounded by `timeout`, so the call ends in time.
 # Usage (device tool): bash benchmarks/h200_verify_and_bench.sh
 set -u
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-R=/tmp/results; mkdir -p "$R"
-PY=python
-$PY -m pip install --no-deps --no-build-isolation -q -e . >"$R/install.log" 2>&1 || { cat "$R/install.log"; exit 1; }
-if ! $PY -c "import xdist, hypothesis, mpmath" 2>/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-nvidia-smi -L | tee "$R/gpus.txt"
-$PY -c "import torch, triton, peft, transformers; print(torch.__version__, triton.__version__, peft.__version__, transformers.__version__)" | tee -a "$R/gpus.txt"
-declare -A RC
-step() {  # step NAME SECONDS CMD...: run, log to $R/NAME.log, remember the exit code
-  local name=$1 secs=$2; shift 2
-  local t0=$SECONDS
-  timeout "$secs" "$@" >"$R/$name.log" 2>&1; RC[$name]=$?
-  echo "$name rc=${RC[$name]} $((SECONDS - t0))s" | tee -a "$R/steps.txt"
-}
+source benchmarks/h200_common.sh
 # Phase A: the whole test suite spread over both GPUs (issue 8: gwN pinned to GPU N mod 2), and
 # memcheck of every kernel path at small shapes beside it.
 step pytest_n_auto 220 $PY -m pytest -n auto -q -p no:cacheprovider -rs &
@@ -41,6 +26,4 @@ wait
 ) &
 wait
 tail -n 3 "$R"/pytest_n_auto.log; grep -E "ERROR SUMMARY" "$R/memcheck.log"
-tar czf "$OUT/results.tgz" -C /tmp results
-cp "$R/layer_h200.csv" "$R/model_h200.csv" "$OUT/" 2>/dev/null
-cat "$R/steps.txt"
+finish

@@ -1,0 +1,21 @@
+# Sourced by the H200 session scripts: install, versions, and `step NAME SECONDS CMD...`, which
+# runs a command under `timeout`, logs it to $R/NAME.log and appends its exit code to $R/steps.txt.
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+R=/tmp/results; mkdir -p "$R"
+PY=python
+$PY -m pip install --no-deps --no-build-isolation -q -e . >"$R/install.log" 2>&1 || { cat "$R/install.log"; exit 1; }
+if ! $PY -c "import xdist, hypothesis, mpmath" 2>/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+nvidia-smi -L | tee "$R/gpus.txt"
+$PY -c "import torch, triton, peft, transformers; print(torch.__version__, triton.__version__, peft.__version__, transformers.__version__)" | tee -a "$R/gpus.txt"
+step() {
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS rc
+  timeout "$secs" "$@" >"$R/$name.log" 2>&1; rc=$?
+  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$R/steps.txt"
+}
+finish() {  # pack everything into $OUT/results.tgz and print the step table last
+  tar czf "$OUT/results.tgz" -C /tmp results
+  cat "$R/steps.txt"
+}
