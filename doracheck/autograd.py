@@ -65,32 +65,48 @@ def _bt_diag_w(Bc: torch.Tensor, weight: torch.Tensor, fan_in_fan_out: bool) -> 
     return out
 
 
+_ZEROS: dict = {}
+
+
+def _zero_scalar(like: torch.Tensor) -> torch.Tensor:
+    """A 0-dim zero of ``like``'s dtype and device, made once (it is only an ignored addend)."""
+    if torch.compiler.is_compiling():
+        return like.new_zeros(())
+    key = (like.dtype, like.device)
+    zero = _ZEROS.get(key)
+    if zero is None:
+        zero = _ZEROS[key] = like.new_zeros(())
+    return zero
+
+
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
     """s·(a·b) as one GEMM with alpha = s: scaled in the fp32 accumulator and rounded once,
-    with no fp32 copy of the (r × d_in or d_out × r) result."""
-    return torch.addmm(a.new_zeros(()), a, b, beta=0, alpha=s)
+    with no fp32 copy of the (r × d_in or d_out × r) result. beta = 0: the addend is not read."""
+    return torch.addmm(_zero_scalar(a), a, b, beta=0, alpha=s)
 
 
 def _norm_and_scale(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out, detach_norm, path="torch"):
-    """(FactoredNorm, g = m / max(n, eps), max(n, eps)). The norm comes from the norm cache
-    while W, A, B are unchanged; g is recomputed each call (two small kernels), because the
-    magnitude is a trained parameter that tools also write through ``.data`` (gradcheck does),
-    which no version counter sees."""
+    """(FactoredNorm, g = m / max(n, eps), max(n, eps)). The norm and max(n, eps) come from the
+    norm cache while W, A, B are unchanged; g is recomputed each call (one small kernel),
+    because the magnitude is a trained parameter that tools also write through ``.data``
+    (gradcheck does), which no version counter sees."""
 
     def compute():
         with torch.no_grad():
-            return factored_norm_full(
+            fn = factored_norm_full(
                 weight, lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out, need_factors=not detach_norm
             )
+            return fn, torch.clamp_min(fn.norm, EPS)
 
-    if detach_norm:  # U, G are not needed then: the cache keeps the four d_out vectors only
-        fn = norm_cache.lookup_or_compute(
-            weight, lora_A, lora_B, scaling, fan_in_fan_out, lambda: compute()._replace(U=None, G=None), tag=path
+    if detach_norm:  # U, G are not needed then: the cache keeps the four d_out vectors and n_safe
+        fn, n_safe = norm_cache.lookup_or_compute(
+            weight, lora_A, lora_B, scaling, fan_in_fan_out,
+            lambda: (lambda fn_ns: (fn_ns[0]._replace(U=None, G=None), fn_ns[1]))(compute()), tag=path,
         )
     else:  # U and G are needed; not worth caching (training-only mode)
-        fn = compute()
-    n_safe = torch.clamp_min(fn.norm, EPS)
-    return fn, magnitude.to(fn.norm.dtype) / n_safe, n_safe
+        fn, n_safe = compute()
+    # m / n_safe with type promotion: a 16-bit m is read as fp32 by the division itself (one op).
+    return fn, torch.div(magnitude, n_safe), n_safe
 
 
 def _use_triton(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
@@ -154,16 +170,17 @@ def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p
     return y, saved
 
 
-def _scaled_grad_chunk(dy_c, h_c, g, n, bias, *, triton_path, from_output):
+def _scaled_grad_chunk(dy_c, h_c, g, n, bias, *, triton_path, from_output, final_dm):
     """(dz_c, partial dm sum) for one token chunk: dz = g⊙dy (saturated where n < eps) and
-    Σ_t dy⊙h with h = y - b (= g⊙z, when ``from_output``) or h = z."""
+    Σ_t dy⊙h with h = y - b (= g⊙z, when ``from_output``) or h = z; with ``final_dm`` this
+    chunk's share of dm itself (Σ_t dy⊙z / max(n, eps), finished inside the kernel)."""
     if triton_path:
         from doracheck.kernels import ops
 
-        return ops.call("grad_scale_dm", dy_c, h_c, g, n, bias, from_output)
+        return ops.call("grad_scale_dm", dy_c, h_c, g, n, bias, from_output, final_dm)
     from doracheck.kernels import grad_scale_dm_torch
 
-    return grad_scale_dm_torch(dy_c, h_c, g, n, bias, from_output=from_output)
+    return grad_scale_dm_torch(dy_c, h_c, g, n, bias, from_output=from_output, final_dm=final_dm)
 
 
 def _dm_sum_of_z(dm_sum, g, n, from_output):
@@ -192,6 +209,7 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
     B = lora_B if lora_B.dtype == cd else lora_B.to(cd)
     n_safe = ctx_saved["n_safe"]
 
+    final_dm = detach_norm  # without the exact norm gradient only dm itself is needed from the sums
     step = backward_token_chunk(T, d_out, dy2.element_size())
     chunked = step < T
     dx2 = torch.empty(T, d_in, dtype=cd, device=x2.device) if need[0] else None
@@ -206,7 +224,8 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
         keep_c = None if keep is None else (keep[t0:t1] if chunked else keep).to(cd) / (1.0 - dropout_p)
         x_d_c = x_c if keep_c is None else x_c * keep_c
         dz, dm_c = _scaled_grad_chunk(
-            dy_c, saved_h[t0:t1] if chunked else saved_h, g, n, bias, triton_path=triton_path, from_output=from_output
+            dy_c, saved_h[t0:t1] if chunked else saved_h, g, n, bias, triton_path=triton_path, from_output=from_output,
+            final_dm=final_dm,
         )
         dm_sum = dm_c if dm_sum is None else dm_sum.add_(dm_c)
         dzB = dz @ B  # (t, r)
@@ -244,14 +263,17 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
         dB_acc = torch.zeros(d_out, A.shape[0], dtype=acc, device=x2.device) if need[3] else None
         dA_acc = torch.zeros(A.shape[0], d_in, dtype=acc, device=x2.device) if need[2] else None
         dW_rows = torch.zeros(d_out, d_in, dtype=acc, device=x2.device) if need[1] else None
-    dm_raw = dm_sum.to(acc)  # Σ dy⊙(g⊙z) from the output, Σ dy⊙z otherwise
-    dm_sum = _dm_sum_of_z(dm_raw, g, n, from_output)
+    if final_dm:  # the kernel finished dm (the common, detached-norm case: fewest host ops)
+        dm = dm_sum.to(magnitude.dtype) if need[4] else None
+    else:
+        dm_raw = dm_sum.to(acc)  # Σ dy⊙(g⊙z) from the output, Σ dy⊙z otherwise
+        dm_sum = _dm_sum_of_z(dm_raw, g, n, from_output)
+        dm = (dm_sum / n_safe).to(magnitude.dtype) if need[4] else None
 
     dx = dx2.reshape(*lead, d_in) if dx2 is not None else None
     # s is already in the GEMM's alpha, except for the fp32 accumulator of a chunked dB.
     dB = (dB_acc.mul_(s) if chunked and T > 0 else dB_acc) if dB_acc is not None else None
     dA = dA_acc
-    dm = (dm_sum / n_safe).to(magnitude.dtype) if need[4] else None
     db = dy2.to(acc).sum(0).to(bias.dtype) if (need[5] and bias is not None) else None
 
     if not detach_norm:

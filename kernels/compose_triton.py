@@ -90,10 +90,15 @@ def _grad_scale_dm_kernel(
     h_ptr, stride_ht, stride_hd,  # saved y (FROM_OUTPUT) or z (T, d_out)
     g_ptr, n_ptr, bias_ptr,
     T, d_out, eps,
-    FROM_OUTPUT: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr, MAX_OUT: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    FROM_OUTPUT: tl.constexpr, HAS_BIAS: tl.constexpr, FINAL_DM: tl.constexpr, INTERPRET: tl.constexpr,
+    MAX_OUT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dz = g⊙dy; partial[tb, i] = Σ_{t in block tb} dy_ti·h_ti with h = y - b (= g·z) or z.
+
+    With FINAL_DM each partial is already divided into its share of dm = Σ_t dy⊙z / max(n, eps):
+    by max(n, eps) for h = z; by g·max(n, eps) (= m) for h = g·z, where g = 0 gives 0 for a
+    zero row (n < eps, z = 0) and NaN otherwise (z is not recoverable from y there). The sum of
+    the partials is then dm itself, which saves the host the ops that would finish it.
 
     Rows with n < eps have g = m/eps (up to 1e12): there dz saturates at ±MAX_OUT (the output
     dtype's largest finite value) instead of overflowing to inf, so that the zero rows of W
@@ -114,7 +119,16 @@ def _grad_scale_dm_kernel(
     dz = dy * g
     dz = tl.where(tiny & (dz > MAX_OUT), MAX_OUT, tl.where(tiny & (dz < -MAX_OUT), -MAX_OUT, dz))
     tl.store(dz_ptr + rows[:, None] * stride_zt + cols[None, :] * stride_zd, round_to(dz, dz_ptr.dtype.element_ty, INTERPRET), mask=mask)
-    tl.store(part_ptr + pid_t * stride_pb + cols, tl.sum(tl.where(mask, dy * h, 0.0), axis=0), mask=col_ok)
+    part = tl.sum(tl.where(mask, dy * h, 0.0), axis=0)
+    if FINAL_DM:
+        g1 = tl.load(g_ptr + cols, mask=col_ok, other=1.0).to(tl.float32)
+        n_safe = tl.maximum(tl.load(n_ptr + cols, mask=col_ok, other=1.0).to(tl.float32), eps)
+        if FROM_OUTPUT:
+            lost = tl.where(n_safe > eps, float("nan"), 0.0)
+            part = tl.where(g1 == 0.0, lost, part / (g1 * n_safe))
+        else:
+            part = part / n_safe
+    tl.store(part_ptr + pid_t * stride_pb + cols, part, mask=col_ok)
 
 
 def lora_up_compose_triton(
@@ -161,10 +175,12 @@ def lora_up_compose_triton(
 
 
 def grad_scale_dm_triton(
-    dy: torch.Tensor, saved: torch.Tensor, g: torch.Tensor, n: torch.Tensor, bias: torch.Tensor | None, *, from_output: bool
+    dy: torch.Tensor, saved: torch.Tensor, g: torch.Tensor, n: torch.Tensor, bias: torch.Tensor | None, *, from_output: bool,
+    final_dm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dz, S): dz = g⊙dy in dy.dtype (saturated where n < eps); S = Σ_t dy⊙(y - b) if
-    ``from_output`` else Σ_t dy⊙z (fp32)."""
+    ``from_output`` else Σ_t dy⊙z (fp32); with ``final_dm``, S is dm = Σ_t dy⊙z / max(n, eps)
+    itself (see the kernel)."""
     T, d_out = dy.shape
     dz = torch.empty_like(dy)
     cfg = grad_config(T, d_out)
@@ -180,7 +196,7 @@ def grad_scale_dm_triton(
         saved, saved.stride(0), saved.stride(1),
         g, n, bias if bias is not None else g,
         T, d_out, EPS,
-        FROM_OUTPUT=from_output, HAS_BIAS=bias is not None and from_output, INTERPRET=interpreting(),
+        FROM_OUTPUT=from_output, HAS_BIAS=bias is not None and from_output, FINAL_DM=final_dm, INTERPRET=interpreting(),
         MAX_OUT=torch.finfo(dy.dtype).max,
         BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d,
         num_warps=cfg.num_warps,

@@ -12,10 +12,9 @@ dominate decode (T = 1) on an H200.
 Every registered op is functional (no argument is mutated). In eager, ``call`` writes y in
 place into the base output (``lora_up_compose_`` and ``lora_up_compose_save_z_``, saving a
 T×d_out buffer); while tracing it calls the functional op and returns a new y, and callers
-use the returned tensor either way. Why: a kernel that reads and writes the same buffer,
-registered with ``mutates_args``, came out wrong under torch.compile with Inductor on the
-H200 (torch 2.11: y off by 43% rel_l2 against eager, tests/test_kernels_gpu.py, 2026-11-29),
-while the functional form leaves buffer reuse to Inductor's own reinplacing.
+use the returned tensor either way, so a traced graph needs no mutation analysis for these
+buffers and leaves buffer reuse to Inductor. (Under torch.compile the norm is computed by the
+torch path, not by ``factored_norm``: doracheck.dispatch says why.)
 
 Ops (namespace ``doracheck``):
 - ``factored_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out) -> (base, cross, lora, norm)``
@@ -23,7 +22,7 @@ Ops (namespace ``doracheck``):
 - ``lora_up_compose_save_z(base, xa, lora_B, g, bias?, scaling, base_has_bias) -> (y, z)``: also
   z = base + s·lora (with ``base_has_bias`` base is x·Wᵀ + b, as a PEFT base layer returns it)
 - ``lora_up_compose_dropout(base, base_dropped, xa, lora_B, g, bias?, scaling) -> (y, z_d)``
-- ``grad_scale_dm(dy, saved, g, n, bias?, from_output) -> (dz, dm_sum)``
+- ``grad_scale_dm(dy, saved, g, n, bias?, from_output, final_dm) -> (dz, dm_sum or dm)``
 """
 
 from __future__ import annotations
@@ -98,9 +97,10 @@ def _lora_up_compose_dropout(
 
 
 def _grad_scale_dm(
-    dy: torch.Tensor, saved: torch.Tensor, g: torch.Tensor, n: torch.Tensor, bias: torch.Tensor | None, from_output: bool
+    dy: torch.Tensor, saved: torch.Tensor, g: torch.Tensor, n: torch.Tensor, bias: torch.Tensor | None, from_output: bool,
+    final_dm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return grad_scale_dm_triton(dy, saved, g, n, bias, from_output=from_output)
+    return grad_scale_dm_triton(dy, saved, g, n, bias, from_output=from_output, final_dm=final_dm)
 
 
 factored_norm_op = triton_op("doracheck::factored_norm", _factored_norm, mutates_args=())
