@@ -9,7 +9,12 @@ new tensor that happens to reuse an address never matches.
 
 This covers inference calls, gradient-accumulation micro-steps and activation-checkpoint
 recomputation. Not covered (so not cached): tensors without a version counter (inference
-tensors), and torch.compile tracing (the cache is Python state; compiled graphs recompute).
+tensors), torch.compile tracing (the cache is Python state; compiled graphs recompute), and
+any process where PyTorch FSDP2 (``fully_shard``) manages modules: FSDP2 all-gathers new
+values into the same unsharded parameter tensors while preserving their version counters
+(``torch.autograd._unsafe_preserve_version_counter`` in its copy-out), so after an optimizer
+step W, A and B would look unchanged. There the norm is computed in every forward, on the
+unsharded parameters.
 One hole cannot be closed cheaply: writes through ``param.data`` bypass the version counter;
 call ``clear_norm_cache()`` after such writes.
 """
@@ -40,9 +45,31 @@ def _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude):
         return None
 
 
+_fsdp_seen = {"count": -1, "active": False}
+
+
+def fsdp_active() -> bool:
+    """True once any module in this process is managed by FSDP2 (``fully_shard``). Re-checked
+    only when the number of composable-API states changes (cheap in every forward)."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+    except ImportError:  # a build without torch.distributed
+        return False
+    count = len(_module_state_mapping)
+    if count != _fsdp_seen["count"]:
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+        states = [s() if isinstance(s, weakref.ref) else s for s in list(_module_state_mapping.values())]
+        _fsdp_seen["count"] = count
+        _fsdp_seen["active"] = any(isinstance(s, FSDPState) for s in states)
+    return _fsdp_seen["active"]
+
+
 def _cacheable() -> bool:
     compiler = getattr(torch, "compiler", None)
-    return not (compiler is not None and compiler.is_compiling())
+    if compiler is not None and compiler.is_compiling():
+        return False
+    return not fsdp_active()
 
 
 def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, *, magnitude=None, tag=""):

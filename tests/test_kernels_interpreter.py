@@ -100,6 +100,32 @@ def test_grad_kernel_dz_and_dm_partials():
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("from_output", [True, False])
+def test_grad_kernel_finishes_dm_like_its_torch_twin(from_output):
+    """final_dm: the kernel's dm equals the torch twin's, including a zero row (n < eps: 0)
+    and, from the output, a row with g = 0 but n > eps (NaN: z is gone)."""
+    from doracheck.kernels import grad_scale_dm_torch
+
+    gen = torch.Generator().manual_seed(7)
+    T, d_out = 70, 19  # several token blocks under the interpreter's 16-row blocks
+    dy = torch.randn(T, d_out, generator=gen).bfloat16()
+    h = torch.randn(T, d_out, generator=gen).bfloat16()
+    g = torch.rand(d_out, generator=gen) + 0.5
+    n = torch.rand(d_out, generator=gen) + 0.5
+    n[3], g[3] = 0.0, 0.0  # zero row: m = 0 and n = 0
+    h[:, 3] = 0
+    g[5] = 0.0  # m = 0 on a non-zero row
+    dz, dm = compose_triton.grad_scale_dm_triton(dy, h, g, n, None, from_output=from_output, final_dm=True)
+    dz_t, dm_t = grad_scale_dm_torch(dy, h, g, n, None, from_output=from_output, final_dm=True)
+    assert torch.equal(dz, dz_t)
+    assert dm[3] == 0
+    assert bool(dm[5].isnan()) == from_output and bool(dm_t[5].isnan()) == from_output
+    ok = torch.ones(d_out, dtype=torch.bool)
+    ok[[3, 5]] = False
+    assert rel_l2(dm[ok], dm_t[ok]) < 1e-6
+
+
+@pytest.mark.interpreter
 def test_edge_inputs_on_triton_path():
     case = make_case(9, 11, 3, (2, 4), torch.float32, seed=4)
     W = case.weight.clone()
