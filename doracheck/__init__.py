@@ -3,13 +3,15 @@
     y = doracheck.dora_linear(x, weight, lora_A, lora_B, magnitude, scaling, bias)
     n = doracheck.factored_norm(weight, lora_A, lora_B, scaling)          # fp32 (d_out,)
     layer = doracheck.DoRALinear.from_linear(linear, r=16, lora_alpha=32)
+    p = doracheck.plan(d_in, d_out, r, tokens, torch.bfloat16, training=True)  # computation order
 
 The oracles live in ``doracheck.reference``, the kernels in ``doracheck.kernels``.
 """
 
 from .functional import NormTerms, compose, dora_linear, factored_norm
 from .module import DoRALinear
+from .planner import plan
 
 __version__ = "0.1.0"
 
-__all__ = ["DoRALinear", "NormTerms", "__version__", "compose", "dora_linear", "factored_norm"]
+__all__ = ["DoRALinear", "NormTerms", "__version__", "compose", "dora_linear", "factored_norm", "plan"]

@@ -28,6 +28,10 @@ With ``detach_norm=False`` and c_i = (∂L/∂n_i)/n_i = -S_i·m_i/n_i³ (S = Σ
     dB += s·diag(c)·(U + s·B·G)        dA += s·Bᵀ·diag(c)·W + s²·(Bᵀ·diag(c)·B)·A
 No dense B·A is formed for the adapter gradients; dW is dense by nature.
 
+The computation order is the planner's (doracheck.planner): "factored" as above, or, in fp32
+only, "merged" (W' = W + s·B·A formed in the forward and again in the backward, dx = dz·W');
+the planner also decides whether the backward is chunked and whether xa is saved or recomputed.
+
 The backward runs over token chunks when dz (T×d_out) would be large (settings
 ``backward_token_chunk``): dx is written chunk by chunk, dB and dm accumulate in fp32, dz·B
 (T×r) is kept for one dA GEMM at the end.
@@ -43,7 +47,7 @@ import torch
 
 from doracheck.kernels.settings import NORM_CHUNK_BYTES, backward_token_chunk
 
-from . import norm_cache
+from . import norm_cache, planner
 from .dispatch import choose_path, factored_norm_full
 
 EPS = 1e-12
@@ -139,21 +143,36 @@ def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p
     if keep_mask is not None:
         keep = keep_mask.expand(x.shape).reshape(-1, d_in)
         x_d = x2 * keep.to(cd) / (1.0 - dropout_p)
-    base = x2 @ W.t()
-    xa = x_d @ A.t()
+    variant = planner.choose(
+        d_in, W.shape[0], A.shape[0], x2.shape[0], cd, need_saved, keep is not None, detach_norm, x2.device
+    )
+    if variant.order == "merged":
+        # W' = W + s·B·A in cd (fp32 accumulation, rounded once; planner: fp32 compute only), then
+        # y = g⊙(x·W'ᵀ) + b through the same compose with an empty up-projection.
+        Wm = torch.addmm(W, lora_B if lora_B.dtype == cd else lora_B.to(cd), A, alpha=s)
+        base = x2 @ Wm.t()
+        del Wm
+        xa = x_d @ A.t() if need_saved and variant.save_xa else None
+        xa_up, B_up = base.new_empty(base.shape[0], 0), base.new_empty(base.shape[1], 0)
+    else:
+        base = x2 @ W.t()
+        xa = xa_up = x_d @ A.t()
+        B_up = lora_B
+        if need_saved and not variant.save_xa:
+            xa = None  # recomputed in the backward
     from_output = False
     if triton_path:
         if keep is None and (bias is None or not need_saved):
-            y = saved_h = ops.call("lora_up_compose_", base, xa, lora_B, g, bias, s)  # in place in eager
+            y = saved_h = ops.call("lora_up_compose_", base, xa_up, B_up, g, bias, s)  # in place in eager
             from_output = bias is None
         elif keep is None:  # with a bias, z from y - b loses digits where |b| >> |g·z|: save z
-            y, saved_h = ops.call("lora_up_compose_save_z_", base, xa, lora_B, g, bias, s)
+            y, saved_h = ops.call("lora_up_compose_save_z_", base, xa_up, B_up, g, bias, s)
         else:
-            y, saved_h = ops.call("lora_up_compose_dropout", base, x_d @ W.t(), xa, lora_B, g, bias, s)
+            y, saved_h = ops.call("lora_up_compose_dropout", base, x_d @ W.t(), xa_up, B_up, g, bias, s)
     else:
         acc = n.dtype
-        B = lora_B if lora_B.dtype == cd else lora_B.to(cd)
-        lora = (xa @ B.t()).to(acc)
+        B = B_up if B_up.dtype == cd else B_up.to(cd)
+        lora = (xa_up @ B.t()).to(acc)
         base_d = base.to(acc) if keep is None else (x_d @ W.t()).to(acc)
         if keep is None:  # the stable form: g·z, one product (exactly invariant to row scaling)
             y = g * (base_d + s * lora)
@@ -165,7 +184,7 @@ def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p
         saved_h = (base_d + s * lora).to(cd) if need_saved else None
     saved = {
         "x2": x2, "keep": keep, "xa": xa, "saved_h": saved_h, "g": g, "n": n, "n_safe": n_safe, "U": fn.U, "G": fn.G,
-        "triton_path": triton_path, "from_output": from_output,
+        "triton_path": triton_path, "from_output": from_output, "variant": variant,
     }
     return y, saved
 
@@ -196,6 +215,7 @@ def _dm_sum_of_z(dm_sum, g, n, from_output):
 def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout_p, detach_norm, fan_in_fan_out, lead, need):
     x2, keep, xa, saved_h, g, n = (ctx_saved[k] for k in ("x2", "keep", "xa", "saved_h", "g", "n"))
     triton_path, from_output = ctx_saved["triton_path"], ctx_saved["from_output"]
+    variant = ctx_saved.get("variant", planner.DEFAULT)
     cd = x2.dtype
     d_out = g.shape[0]
     d_in = x2.shape[1]
@@ -210,7 +230,13 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
     n_safe = ctx_saved["n_safe"]
 
     final_dm = detach_norm  # without the exact norm gradient only dm itself is needed from the sums
-    step = backward_token_chunk(T, d_out, dy2.element_size())
+    step = backward_token_chunk(T, d_out, dy2.element_size()) if variant.chunked else max(T, 1)
+    if xa is None and T > 0 and need[3]:  # variant recompute_xa (or merged without a saved xa)
+        x_d_all = x2 if keep is None else x2 * (keep.to(cd) / (1.0 - dropout_p))
+        xa = x_d_all @ A.t()
+        del x_d_all
+    # merged: dx = dz·W' with W' = W + s·B·A formed again here (the forward does not keep it)
+    Wm = torch.addmm(W, B, A, alpha=s) if variant.order == "merged" and need[0] and T > 0 else None
     chunked = step < T
     dx2 = torch.empty(T, d_in, dtype=cd, device=x2.device) if need[0] else None
     dB_acc = dW_rows = dm_sum = None
@@ -228,10 +254,12 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
             final_dm=final_dm,
         )
         dm_sum = dm_c if dm_sum is None else dm_sum.add_(dm_c)
-        dzB = dz @ B  # (t, r)
+        dzB = dz @ B if (Wm is None or need[2]) else None  # (t, r)
         if dx2 is not None:
             out = dx2[t0:t1] if chunked else dx2
-            if keep_c is None:
+            if Wm is not None:
+                torch.mm(dz, Wm, out=out)
+            elif keep_c is None:
                 torch.mm(dz, W, out=out)
                 out.addmm_(dzB, A, alpha=s)
             else:
@@ -310,7 +338,7 @@ class DoRALinearFunction(torch.autograd.Function):
         y, saved = _forward(x, weight, lora_A, lora_B, magnitude, bias, float(scaling), keep_mask, dropout_p, detach_norm, fan_in_fan_out)
         tensors = [saved[k] for k in ("x2", "keep", "xa", "saved_h", "g", "n", "n_safe", "U", "G")]
         ctx.save_for_backward(*tensors, weight, lora_A, lora_B, magnitude, bias)
-        ctx.flags = (saved["triton_path"], saved["from_output"])
+        ctx.flags = (saved["triton_path"], saved["from_output"], saved["variant"])
         ctx.args = (float(scaling), dropout_p, detach_norm, fan_in_fan_out, x.shape[:-1])
         return y  # 2-D: reshaped by the caller, so in-place ops on the result are allowed
 
@@ -318,7 +346,7 @@ class DoRALinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x2, keep, xa, saved_h, g, n, n_safe, U, G, weight, lora_A, lora_B, magnitude, bias = ctx.saved_tensors
         saved = {"x2": x2, "keep": keep, "xa": xa, "saved_h": saved_h, "g": g, "n": n, "n_safe": n_safe, "U": U, "G": G}
-        saved["triton_path"], saved["from_output"] = ctx.flags
+        saved["triton_path"], saved["from_output"], saved["variant"] = ctx.flags
         s, dropout_p, detach_norm, fan_in_fan_out, lead = ctx.args
         grads = _backward(
             saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout_p, detach_norm, fan_in_fan_out, lead, ctx.needs_input_grad

@@ -42,10 +42,35 @@ def doracheck_implementation(path: str | None = None) -> Implementation:
     )
 
 
+def doracheck_variant_implementation(variant: str) -> Implementation:
+    """doracheck with the planner's choice replaced by ``variant`` (e.g. "merged+whole"), so the
+    property suite can verify every variant the planner may pick."""
+    from doracheck.planner import parse_variant, use_variant
+
+    chosen = parse_variant(variant)
+    base = doracheck_implementation()
+
+    def with_variant(fn):
+        def wrapper(*args, **kwargs):
+            with use_variant(chosen):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    base.name = f"doracheck@{chosen.name}"
+    base.dora_linear = with_variant(base.dora_linear)
+    return base
+
+
 def resolve(spec: str) -> Implementation:
-    """'doracheck' | 'torch' | 'peft' | 'MODULE:CALLABLE' -> Implementation."""
+    """'doracheck' | 'doracheck@VARIANT' | 'torch' | 'peft' | 'MODULE:CALLABLE' -> Implementation."""
     if spec == "doracheck":
         return doracheck_implementation()
+    if spec.startswith("doracheck@"):
+        try:
+            return doracheck_variant_implementation(spec.partition("@")[2])
+        except ValueError as exc:
+            raise ImplementationError(f"--impl: {exc}") from None
     if spec == "torch":
         return doracheck_implementation("torch")
     if spec == "peft":

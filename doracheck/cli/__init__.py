@@ -1,1 +1,1 @@
-"""The ``doracheck`` command line: env, verify (and, as they land, audit, bench, calibrate)."""
+"""The ``doracheck`` command line: env, verify, audit, bench, calibrate."""

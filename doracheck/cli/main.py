@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import audit_cmd, calibrate_cmd, env_cmd, verify_cmd
+from . import audit_cmd, bench_cmd, calibrate_cmd, env_cmd, verify_cmd
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify_cmd.add_parser(sub)
     audit_cmd.add_parser(sub)
     calibrate_cmd.add_parser(sub)
+    bench_cmd.add_parser(sub)
     return parser
 
 

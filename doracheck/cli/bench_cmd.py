@@ -1,0 +1,141 @@
+"""``doracheck bench``: time doracheck's DoRA layer against plain nn.Linear on this machine, and
+with ``--plan`` the planner's variants, predicted against measured, side by side.
+
+    doracheck bench [--shapes 4096x4096r16,...] [--tokens 1,4096] [--dtype bf16] [--mode infer,train]
+                    [--plan] [--reps N] [--json] [--csv FILE]
+
+Shapes are d_in x d_out r rank. Times: median of ``--reps`` calls after warm-up (CUDA events
+on a GPU; on a CPU the host clock, at small default shapes, and the figures describe the CPU).
+``infer`` is a no_grad forward (norm cached), ``train`` forward + backward with every input
+requiring grad except the frozen weight. With ``--plan`` each row is one (shape, T, dtype,
+mode): every candidate variant's predicted and measured ms, the variant the cost model picks
+and the fastest measured one; the summary says in how many rows the pick is within 5% of the
+fastest. Exit 0, or 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+
+import torch
+
+GPU_SHAPES = "4096x4096r16,4096x4096r128,8192x8192r384,4096x14336r384,14336x4096r384"
+CPU_SHAPES = "256x256r8,512x256r16"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="time the DoRA layer (and the planner's variants) on this machine")
+    p.add_argument("--shapes", help=f"comma list of DINxDOUTrR (default on a GPU: {GPU_SHAPES}; on a CPU: {CPU_SHAPES})")
+    p.add_argument("--tokens", help="comma list of token counts (default 1,4096 on a GPU, 1,64 on a CPU)")
+    p.add_argument("--dtype", default="bf16", help="comma list of bf16, fp16, fp32 (activations, weights and adapters)")
+    p.add_argument("--mode", default="infer,train", help="comma list of infer, train")
+    p.add_argument("--plan", action="store_true", help="the planner's variants: predicted against measured")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--csv", help="also write the rows to this CSV file")
+    p.set_defaults(run=run)
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    out = []
+    for item in text.split(","):
+        dims, sep, r = item.strip().partition("r")
+        d_in, x, d_out = dims.partition("x")
+        if not (sep and x and d_in.isdigit() and d_out.isdigit() and r.isdigit()) or min(int(d_in), int(d_out), int(r)) < 1:
+            raise ValueError(f"--shapes: expected DINxDOUTrR like 4096x4096r16, got {item!r}")
+        out.append((int(d_in), int(d_out), int(r)))
+    return out
+
+
+def _linear_ms(d_in, d_out, T, dtype, training, device, reps):
+    from doracheck.timing import quantile, time_ms
+
+    gen = torch.Generator().manual_seed(0)
+    W = (torch.randn(d_out, d_in, generator=gen) / d_in**0.5).to(device, dtype)
+    x = torch.randn(T, d_in, generator=gen).to(device, dtype).requires_grad_(training)
+    dy = torch.randn(T, d_out, generator=gen).to(device, dtype)
+
+    def call():
+        if training:
+            torch.nn.functional.linear(x, W).backward(dy)
+            x.grad = None
+        else:
+            with torch.no_grad():
+                torch.nn.functional.linear(x, W)
+
+    return quantile(time_ms(call, device, reps), 0.5)
+
+
+def run(args) -> int:
+    from doracheck import planner
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        shapes = parse_shapes(args.shapes or (GPU_SHAPES if device.type == "cuda" else CPU_SHAPES))
+        tokens = [int(t) for t in (args.tokens or ("1,4096" if device.type == "cuda" else "1,64")).split(",")]
+        dtypes = [DTYPES[d.strip()] for d in args.dtype.split(",")]
+        modes = [m.strip() for m in args.mode.split(",")]
+        if any(m not in ("infer", "train") for m in modes) or any(t < 1 for t in tokens) or args.reps < 1:
+            raise ValueError("--mode takes infer and/or train; --tokens and --reps must be at least 1")
+    except KeyError as exc:
+        print(f"doracheck bench: --dtype: expected bf16, fp16 or fp32, got {exc.args[0]!r}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"doracheck bench: {exc}", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    rows = []
+    total = len(shapes) * len(tokens) * len(dtypes) * len(modes)
+    done = 0
+    for (d_in, d_out, r) in shapes:
+        for T in tokens:
+            for dt in dtypes:
+                for mode in modes:
+                    training = mode == "train"
+                    dt_name = next(k for k, v in DTYPES.items() if v == dt)
+                    row = {"device": name, "torch": torch.__version__, "d_in": d_in, "d_out": d_out, "r": r, "tokens": T,
+                           "dtype": dt_name, "mode": mode, "linear_ms": _linear_ms(d_in, d_out, T, dt, training, device, args.reps)}
+                    if args.plan:
+                        p = planner.plan(d_in, d_out, r, T, dt, training)
+                        measured = {v.name: planner.measure_ms(v, d_in, d_out, r, T, dt, training, device, args.reps) for v in p.candidates}
+                        fastest = min(measured, key=lambda k: measured[k])
+                        row.update(chosen=p.variant.name, fastest=fastest, predicted_ms=p.predicted_ms, measured_ms=measured,
+                                   chosen_over_fastest=measured[p.variant.name] / measured[fastest])
+                    else:
+                        v = planner.plan(d_in, d_out, r, T, dt, training).variant if device.type == "cuda" else planner.DEFAULT
+                        row.update(variant=v.name, doracheck_ms=planner.measure_ms(v, d_in, d_out, r, T, dt, training, device, args.reps))
+                        row["ratio_to_linear"] = row["doracheck_ms"] / row["linear_ms"]
+                    rows.append(row)
+                    done += 1
+                    if sys.stderr.isatty() and not args.json:
+                        print(f"\rdoracheck bench: {done}/{total}", end="", file=sys.stderr, flush=True)
+    if sys.stderr.isatty() and not args.json:
+        print(file=sys.stderr)
+    summary = {}
+    if args.plan:
+        within = sum(1 for row in rows if row["chosen_over_fastest"] <= 1.05)
+        summary = {"rows": len(rows), "chosen_within_5pct_of_fastest": within, "fraction": within / max(1, len(rows))}
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            flat = [{k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in row.items()} for row in rows]
+            w = csv.DictWriter(f, fieldnames=list(flat[0]))
+            w.writeheader()
+            w.writerows(flat)
+    if args.json:
+        print(json.dumps({"device": name, "rows": rows, "summary": summary}, indent=1))
+        return 0
+    print(f"doracheck bench on {name} (median ms of {args.reps} calls after warm-up)")
+    for row in rows:
+        head = f"{row['d_in']}x{row['d_out']} r{row['r']} T{row['tokens']} {row['dtype']} {row['mode']:5s} linear {row['linear_ms']:.4f}"
+        if args.plan:
+            cells = "  ".join(f"{k}: pred {row['predicted_ms'][k]:.4f} meas {row['measured_ms'][k]:.4f}" for k in row["measured_ms"])
+            mark = "ok" if row["chosen_over_fastest"] <= 1.05 else f"{row['chosen_over_fastest']:.2f}x"
+            print(f"{head} | chose {row['chosen']} fastest {row['fastest']} ({mark}) | {cells}")
+        else:
+            print(f"{head}  doracheck {row['doracheck_ms']:.4f} ({row['variant']})  x{row['ratio_to_linear']:.2f} linear")
+    if summary:
+        print(f"planner: chosen within 5% of the fastest measured in {summary['chosen_within_5pct_of_fastest']} of {summary['rows']} rows")
+    return 0

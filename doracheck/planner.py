@@ -1,0 +1,258 @@
+"""Computation-order planner for the DoRA layer (the RunLoRA idea, arXiv 2312.03415).
+
+A DoRA layer can be computed in several orders that give the same function. Which is fastest
+depends on d_in, d_out, r, the token count T and the dtype. The planner enumerates the orders
+that matter here, predicts each one's time from a cost model (FLOPs and bytes against the
+device's measured ceilings, plus the host's cost of issuing each op), optionally times them
+once per shape, and picks one. ``doracheck.dora_linear`` asks it on every call (the answer is
+cached per shape).
+
+Variants (``Variant``):
+- ``order``:
+  * "factored": base = x·Wᵀ, xa = x·Aᵀ, then the up-projection xa·Bᵀ fused with the compose;
+    backward dx = dz·W + s·(dz·B)·A. Extra FLOPs over nn.Linear: 2·T·r·(d_in + d_out) forward.
+  * "merged": W' = W + s·B·A formed in the compute dtype (one GEMM, fp32 accumulation, rounded
+    once), base = x·W'ᵀ, then y = g⊙base (+ b); backward forms W' again (it is not kept) and
+    dx = dz·W'. Extra FLOPs: 2·d_out·r·d_in per pass, independent of T, plus a d_out×d_in
+    temporary. Only where precision holds: rounding W' to a 16-bit dtype perturbs every
+    weight by up to half an ulp, which breaks the compose's 0.5-ulp property (DESIGN
+    section 2) on exactly representable problems; in fp32 the perturbation is 2^-24 relative,
+    far inside every fp32 budget. So "merged" is a candidate for fp32 compute only, without
+    dropout, with the detached norm, and only where its temporary fits the memory allowance.
+- ``chunked`` (training): the backward's dz = g⊙dy materialised a token chunk at a time
+  (settings.BACKWARD_CHUNK_BYTES) or whole. Same arithmetic, except that a chunked dB is summed
+  over chunks in fp32.
+- ``save_xa`` (training): keep x·Aᵀ (T×r) from the forward, or recompute it in the backward
+  (bitwise the same GEMM). Saves T×r of activation memory for 2·T·r·d_in FLOPs.
+
+Memory allowance: a variant may add at most ``max(32 MiB, 0.25·T·d_out·itemsize)`` of peak memory
+over the plain linear layer's (the layer targets of issue 3: <= 1.25x nn.Linear + 32 MiB).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from doracheck.kernels.settings import BACKWARD_CHUNK_BYTES
+
+
+@dataclass(frozen=True)
+class Variant:
+    order: str = "factored"  # "factored" | "merged"
+    chunked: bool = True  # training: backward over token chunks (when dz is large)
+    save_xa: bool = True  # training: keep x·Aᵀ from the forward
+
+    @property
+    def name(self) -> str:
+        return f"{self.order}{'' if self.chunked else '+whole'}{'' if self.save_xa else '+recompute_xa'}"
+
+
+DEFAULT = Variant()
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """What the cost model divides by. H200 figures measured here (benchmarks/README.md):
+    bf16 GEMM 687 TFLOP/s (8192³, cuBLAS), copy 4246 GB/s counting read + write; fp32 GEMM
+    taken as bf16/14 (no tensor cores; cuBLAS fp32 about 50 TFLOP/s, H200 datasheet 67);
+    a kernel costs at least ``kernel_s`` on the GPU; the host issues one op in ``host_op_s``
+    (benchmarks/cpu_overhead.py: 15-40 µs a torch op, 42 µs a Triton launch, on the H200 host)."""
+
+    gemm_flops_16: float = 687e12
+    gemm_flops_32: float = 49e12
+    copy_bytes: float = 4.25e12
+    kernel_s: float = 4e-6
+    host_op_s: float = 20e-6
+
+
+H200 = Ceilings()
+
+
+@dataclass
+class Plan:
+    variant: Variant
+    predicted_ms: dict[str, float]  # variant name -> predicted ms, every candidate
+    measured_ms: dict[str, float] | None = None  # in timing mode
+    reason: str = ""
+    candidates: list[Variant] = field(default_factory=list)
+
+
+_FORCED: contextvars.ContextVar[Variant | None] = contextvars.ContextVar("doracheck_variant", default=None)
+_PLANS: dict[tuple, Variant] = {}
+_TIMED: dict[tuple, dict[str, float]] = {}
+
+
+@contextlib.contextmanager
+def use_variant(variant: Variant | str) -> Iterator[None]:
+    """Force a variant (a ``Variant`` or its ``name``, e.g. "merged+whole") for calls made inside
+    the block; the backward reuses the forward's choice."""
+    token = _FORCED.set(parse_variant(variant) if isinstance(variant, str) else variant)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def parse_variant(name: str) -> Variant:
+    parts = name.split("+")
+    if parts[0] not in ("factored", "merged") or any(p not in ("whole", "recompute_xa") for p in parts[1:]):
+        raise ValueError(f"variant: expected factored|merged[+whole][+recompute_xa], got {name!r}")
+    return Variant(parts[0], "whole" not in parts[1:], "recompute_xa" not in parts[1:])
+
+
+def memory_allowance(d_out: int, tokens: int, itemsize: int) -> int:
+    return max(32 * 2**20, tokens * d_out * itemsize // 4)
+
+
+def extra_bytes(v: Variant, d_in: int, d_out: int, r: int, tokens: int, itemsize: int, training: bool) -> int:
+    """Peak bytes a variant adds beyond what every variant needs."""
+    extra = d_out * d_in * itemsize if v.order == "merged" else 0
+    if training:
+        dz_whole = tokens * d_out * itemsize
+        extra += (dz_whole if not v.chunked else min(dz_whole, BACKWARD_CHUNK_BYTES))
+        extra += tokens * r * itemsize if v.save_xa else 0
+    return extra
+
+
+def candidates(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype, training: bool,
+               dropout: bool = False, detach_norm: bool = True) -> list[Variant]:
+    """The variants allowed for this call: precision (merged only in fp32) and memory."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    orders = ["factored"] + (["merged"] if dtype in (torch.float32, torch.float64) and not dropout and detach_norm else [])
+    flags = [(True, True), (False, True), (True, False), (False, False)] if training else [(True, True)]
+    # the default variant's own extra (a dz chunk, xa) is what every plan starts from
+    allowance = max(memory_allowance(d_out, tokens, itemsize), extra_bytes(DEFAULT, d_in, d_out, r, tokens, itemsize, training))
+    out = []
+    for order, (chunked, save_xa) in itertools.product(orders, flags):
+        v = Variant(order, chunked, save_xa)
+        if v == DEFAULT or extra_bytes(v, d_in, d_out, r, tokens, itemsize, training) <= allowance:
+            out.append(v)
+    return out
+
+
+def _gemm(m: int, n: int, k: int, itemsize: int, ceil: Ceilings, fp32: bool) -> float:
+    flops = 2.0 * m * n * k
+    bytes_ = (m * k + k * n + m * n) * itemsize
+    rate = ceil.gemm_flops_32 if fp32 else ceil.gemm_flops_16
+    return max(flops / rate, bytes_ / ceil.copy_bytes) + ceil.kernel_s
+
+
+def _pass(bytes_: float, ceil: Ceilings) -> float:
+    return bytes_ / ceil.copy_bytes + ceil.kernel_s
+
+
+def predict_ms(v: Variant, d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype, training: bool,
+               ceil: Ceilings = H200) -> float:
+    """Predicted ms of one call (forward, or forward + backward when ``training``): the larger
+    of the GPU time (a roofline per kernel plus a fixed cost) and the host time to issue it."""
+    T, isz, fp32 = tokens, torch.empty((), dtype=dtype).element_size(), dtype in (torch.float32, torch.float64)
+    gpu, ops = 0.0, 4  # g = m/n, reshape, autograd bookkeeping
+    gpu += _gemm(T, d_out, d_in, isz, ceil, fp32)  # base = x·Wᵀ (or x·W'ᵀ)
+    ops += 1
+    if v.order == "merged":
+        gpu += _gemm(d_out, d_in, r, isz, ceil, fp32) + _pass(2 * d_out * d_in * isz, ceil)  # W' = W + s·B·A
+        gpu += _pass(2 * T * d_out * isz, ceil)  # y = g⊙base + b
+        ops += 2
+        if training:
+            gpu += _gemm(T, r, d_in, isz, ceil, fp32)  # xa, for dB
+            ops += 1
+    else:
+        gpu += _gemm(T, r, d_in, isz, ceil, fp32)  # xa
+        gpu += _gemm(T, d_out, r, isz, ceil, fp32) + _pass(2 * T * d_out * isz, ceil)  # fused up-projection + compose
+        ops += 2
+    if training:
+        step = T if not v.chunked else max(1, min(T, BACKWARD_CHUNK_BYTES // max(1, d_out * isz)))
+        chunks = -(-T // step) if T else 0
+        gpu += _pass(3 * T * d_out * isz, ceil) + chunks * ceil.kernel_s  # dz = g⊙dy, dm partials
+        gpu += _gemm(T, r, d_out, isz, ceil, fp32)  # dz·B
+        gpu += _gemm(T, d_in, d_out, isz, ceil, fp32)  # dz·W (or dz·W')
+        gpu += _gemm(d_out, r, T, isz, ceil, fp32)  # dB = s·dzᵀ·xa
+        gpu += _gemm(r, d_in, T, isz, ceil, fp32)  # dA = s·(dz·B)ᵀ·x
+        ops += 10 + 5 * chunks
+        if v.order == "merged":
+            gpu += _gemm(d_out, d_in, r, isz, ceil, fp32) + _pass(2 * d_out * d_in * isz, ceil)
+            ops += 1
+        else:
+            gpu += _gemm(T, d_in, r, isz, ceil, fp32)  # s·(dz·B)·A
+        if not v.save_xa:
+            gpu += _gemm(T, r, d_in, isz, ceil, fp32)
+            ops += 1
+    return 1e3 * max(gpu, ops * ceil.host_op_s)
+
+
+def measure_ms(v: Variant, d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype, training: bool,
+               device: torch.device | str = "cuda", reps: int = 20) -> float:
+    """Median ms of one call of ``dora_linear`` under variant ``v`` on random, non-zero data
+    (CUDA events on a GPU, perf_counter on the CPU); the norm cache is warm, as in a step."""
+    import doracheck
+
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+    W = (torch.randn(d_out, d_in, generator=gen) / d_in**0.5).to(dev, dtype)
+    A = (torch.randn(r, d_in, generator=gen) / d_in**0.5).to(dev, dtype).requires_grad_(training)
+    B = (torch.randn(d_out, r, generator=gen) * 0.02).to(dev, dtype).requires_grad_(training)
+    m = (1 + 0.01 * torch.randn(d_out, generator=gen)).to(dev, dtype).requires_grad_(training)
+    x = torch.randn(tokens, d_in, generator=gen).to(dev, dtype).requires_grad_(training)
+    dy = torch.randn(tokens, d_out, generator=gen).to(dev, dtype)
+
+    def call() -> None:
+        if training:
+            doracheck.dora_linear(x, W, A, B, m, 2.0).backward(dy)
+            for t in (x, A, B, m):
+                t.grad = None
+        else:
+            with torch.no_grad():
+                doracheck.dora_linear(x, W, A, B, m, 2.0)
+
+    from doracheck.timing import quantile, time_ms
+
+    with use_variant(v):
+        return quantile(time_ms(call, dev, reps), 0.5)
+
+
+def plan(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype = torch.bfloat16, training: bool = False, *,
+         timed: bool = False, device: torch.device | str = "cuda", dropout: bool = False, detach_norm: bool = True,
+         ceilings: Ceilings = H200, measure: Callable[..., float] | None = None) -> Plan:
+    """The variant for a DoRA layer of this shape, with every candidate's predicted time
+    (and, with ``timed``, its measured time; measurements are cached per shape)."""
+    cands = candidates(d_in, d_out, r, tokens, dtype, training, dropout, detach_norm)
+    predicted = {v.name: predict_ms(v, d_in, d_out, r, tokens, dtype, training, ceilings) for v in cands}
+    if not timed:
+        best = min(cands, key=lambda v: (predicted[v.name], v != DEFAULT))
+        return Plan(best, predicted, None, "cost model", cands)
+    key = (d_in, d_out, r, tokens, dtype, training, str(device))
+    if key not in _TIMED:
+        fn = measure or measure_ms
+        _TIMED[key] = {v.name: fn(v, d_in, d_out, r, tokens, dtype, training, device) for v in cands}
+    measured = _TIMED[key]
+    best = min(cands, key=lambda v: measured[v.name])
+    return Plan(best, predicted, dict(measured), "timed", cands)
+
+
+def choose(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype, training: bool, dropout: bool,
+           detach_norm: bool, device: torch.device) -> Variant:
+    """What ``dora_linear`` runs: a forced variant, else the cost model's choice (cached per
+    shape). Forced variants that are not allowed here (merged with dropout or the exact norm
+    gradient) fall back to "factored" with the same flags."""
+    forced = _FORCED.get()
+    if forced is not None:
+        if forced.order == "merged" and (dropout or not detach_norm):
+            return Variant("factored", forced.chunked, forced.save_xa)
+        return forced
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return DEFAULT  # the ceilings describe the GPU; compiled graphs keep one order
+    key = (d_in, d_out, r, tokens, dtype, training, dropout, detach_norm)
+    v = _PLANS.get(key)
+    if v is None:
+        v = _PLANS[key] = plan(d_in, d_out, r, tokens, dtype, training, dropout=dropout, detach_norm=detach_norm).variant
+    return v
+
+
+__all__ = ["DEFAULT", "H200", "Ceilings", "Plan", "Variant", "candidates", "choose", "measure_ms", "parse_variant",
+           "plan", "predict_ms", "use_variant"]
