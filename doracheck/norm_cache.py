@@ -45,7 +45,7 @@ def _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude):
         return None
 
 
-_fsdp_seen = {"count": -1, "active": False}
+_fsdp_seen: dict[str, int] = {"count": -1, "active": 0}
 
 
 def fsdp_active() -> bool:
@@ -61,8 +61,8 @@ def fsdp_active() -> bool:
 
         states = [s() if isinstance(s, weakref.ref) else s for s in list(_module_state_mapping.values())]
         _fsdp_seen["count"] = count
-        _fsdp_seen["active"] = any(isinstance(s, FSDPState) for s in states)
-    return _fsdp_seen["active"]
+        _fsdp_seen["active"] = int(any(isinstance(s, FSDPState) for s in states))
+    return bool(_fsdp_seen["active"])
 
 
 def _cacheable() -> bool:

@@ -240,13 +240,15 @@ def choose(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype, train
     """What ``dora_linear`` runs: a forced variant, else the cost model's choice (cached per
     shape). Forced variants that are not allowed here (merged with dropout or the exact norm
     gradient) fall back to "factored" with the same flags."""
+    if torch.compiler.is_compiling():
+        return DEFAULT  # compiled graphs keep one order (and Dynamo does not trace ContextVar)
     forced = _FORCED.get()
     if forced is not None:
         if forced.order == "merged" and (dropout or not detach_norm):
             return Variant("factored", forced.chunked, forced.save_xa)
         return forced
-    if device.type != "cuda" or torch.compiler.is_compiling():
-        return DEFAULT  # the ceilings describe the GPU; compiled graphs keep one order
+    if device.type != "cuda":
+        return DEFAULT  # the ceilings describe the GPU
     key = (d_in, d_out, r, tokens, dtype, training, dropout, detach_norm)
     v = _PLANS.get(key)
     if v is None:
