@@ -189,17 +189,17 @@ def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p
     return y, saved
 
 
-def _scaled_grad_chunk(dy_c, h_c, g, n, bias, *, triton_path, from_output, final_dm):
+def _scaled_grad_chunk(dy_c, h_c, g, n, bias, *, triton_path, from_output, final_dm, reduce=True):
     """(dz_c, partial dm sum) for one token chunk: dz = g⊙dy (saturated where n < eps) and
     Σ_t dy⊙h with h = y - b (= g⊙z, when ``from_output``) or h = z; with ``final_dm`` this
     chunk's share of dm itself (Σ_t dy⊙z / max(n, eps), finished inside the kernel)."""
     if triton_path:
         from doracheck.kernels import ops
 
-        return ops.call("grad_scale_dm", dy_c, h_c, g, n, bias, from_output, final_dm)
+        return ops.call("grad_scale_dm", dy_c, h_c, g, n, bias, from_output, final_dm, reduce)
     from doracheck.kernels import grad_scale_dm_torch
 
-    return grad_scale_dm_torch(dy_c, h_c, g, n, bias, from_output=from_output, final_dm=final_dm)
+    return grad_scale_dm_torch(dy_c, h_c, g, n, bias, from_output=from_output, final_dm=final_dm, reduce=reduce)
 
 
 def _dm_sum_of_z(dm_sum, g, n, from_output):
@@ -240,6 +240,7 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
     chunked = step < T
     dx2 = torch.empty(T, d_in, dtype=cd, device=x2.device) if need[0] else None
     dB_acc = dW_rows = dm_sum = None
+    dm_parts: list[torch.Tensor] = []
     # dz·B for every token is small (T×r): keep it and form dA = s·(dz·B)ᵀ·x_d with one GEMM after.
     dzB_all = torch.empty(T, A.shape[0], dtype=cd, device=x2.device) if (need[2] and chunked) else None
     dzB = None
@@ -249,12 +250,22 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
         x_c = x2[t0:t1] if chunked else x2
         keep_c = None if keep is None else (keep[t0:t1] if chunked else keep).to(cd) / (1.0 - dropout_p)
         x_d_c = x_c if keep_c is None else x_c * keep_c
+        # Over several chunks the dm partials are kept and summed once after the loop (in order:
+        # deterministic), which saves the host two ops a chunk.
         dz, dm_c = _scaled_grad_chunk(
             dy_c, saved_h[t0:t1] if chunked else saved_h, g, n, bias, triton_path=triton_path, from_output=from_output,
-            final_dm=final_dm,
+            final_dm=final_dm, reduce=not chunked,
         )
-        dm_sum = dm_c if dm_sum is None else dm_sum.add_(dm_c)
-        dzB = dz @ B if (Wm is None or need[2]) else None  # (t, r)
+        if chunked:
+            dm_parts.append(dm_c)
+        else:
+            dm_sum = dm_c
+        if Wm is not None and not need[2]:
+            dzB = None
+        elif dzB_all is not None:  # written straight into its rows of the T×r buffer
+            dzB = torch.mm(dz, B, out=dzB_all[t0:t1])
+        else:
+            dzB = dz @ B  # (t, r)
         if dx2 is not None:
             out = dx2[t0:t1] if chunked else dx2
             if Wm is not None:
@@ -274,14 +285,14 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
             else:
                 part = dz.t() @ xa[t0:t1]
                 dB_acc = part.to(acc) if dB_acc is None else dB_acc.add_(part)
-        if dzB_all is not None:
-            dzB_all[t0:t1] = dzB
         if need[1]:
             if keep_c is None:
                 part = dz.to(acc).t() @ x_c.to(acc)
             else:
                 part = dy_c.to(acc).t() @ x_c.to(acc) + (dy_c.to(acc) * (g - 1.0)).t() @ x_d_c.to(acc)
             dW_rows = part if dW_rows is None else dW_rows.add_(part)
+    if dm_parts:
+        dm_sum = torch.cat(dm_parts).sum(0) if len(dm_parts) > 1 else dm_parts[0].sum(0)
     dA_acc = None
     if need[2] and T > 0:
         x_d = x2 if keep is None else x2 * (keep.to(cd) / (1.0 - dropout_p))

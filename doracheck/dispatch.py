@@ -115,11 +115,7 @@ def factored_norm_full(weight, lora_A, lora_B, scaling, *, fan_in_fan_out=False,
     from doracheck.kernels import FactoredNorm, factored_norm_torch
 
     fp64 = any(t.dtype == torch.float64 for t in (weight, lora_A, lora_B))
-    # Under torch.compile the norm is the torch one (traced into the graph like any torch code):
-    # the Triton norm op gave a wrong y under Inductor on the H200 (torch 2.11, triton 3.6:
-    # 43% rel_l2 against eager in tests/test_kernels_gpu.py, 2026-11-29), while eager is
-    # verified against the fp64 oracle. The compose and backward kernels stay Triton ops.
-    if need_factors or fp64 or torch.compiler.is_compiling() or choose_path(weight.device).name == "torch":
+    if need_factors or fp64 or choose_path(weight.device).name == "torch":
         return factored_norm_torch(weight, lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out)
     from doracheck.kernels import ops
 

@@ -25,8 +25,10 @@ Variants (``Variant``):
 - ``save_xa`` (training): keep x·Aᵀ (T×r) from the forward, or recompute it in the backward
   (bitwise the same GEMM). Saves T×r of activation memory for 2·T·r·d_in FLOPs.
 
-Memory allowance: a variant may add at most ``max(32 MiB, 0.25·T·d_out·itemsize)`` of peak memory
-over the plain linear layer's (the layer targets of issue 3: <= 1.25x nn.Linear + 32 MiB).
+Memory allowance: a layer may add at most ``max(32 MiB, 0.25·T·d_out·itemsize)`` of peak memory
+over the plain linear layer's (the layer targets of issue 3: <= 1.25x nn.Linear + 32 MiB); in
+training the adapter gradients and their fp32 accumulators are counted first, and a variant is
+a candidate only if its own extra fits in what is left (the default always is).
 """
 
 from __future__ import annotations
@@ -61,14 +63,17 @@ class Ceilings:
     """What the cost model divides by. H200 figures measured here (benchmarks/README.md):
     bf16 GEMM 687 TFLOP/s (8192³, cuBLAS), copy 4246 GB/s counting read + write; fp32 GEMM
     taken as bf16/14 (no tensor cores; cuBLAS fp32 about 50 TFLOP/s, H200 datasheet 67);
-    a kernel costs at least ``kernel_s`` on the GPU; the host issues one op in ``host_op_s``
-    (benchmarks/cpu_overhead.py: 15-40 µs a torch op, 42 µs a Triton launch, on the H200 host)."""
+    a kernel costs at least ``kernel_s`` on the GPU. Host cost per modelled op, fitted to the
+    host-bound rows (T = 1 and 256) of ``doracheck bench --plan`` on the H200 machine
+    (benchmarks/results/plan_h200.csv, 2026-11-29): 25-35 µs a forward op (no_grad), 55-70 µs
+    a backward op (the autograd engine and the Python backward included)."""
 
     gemm_flops_16: float = 687e12
     gemm_flops_32: float = 49e12
     copy_bytes: float = 4.25e12
     kernel_s: float = 4e-6
-    host_op_s: float = 20e-6
+    host_fwd_op_s: float = 28e-6
+    host_bwd_op_s: float = 65e-6
 
 
 H200 = Ceilings()
@@ -126,8 +131,11 @@ def candidates(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype, t
     itemsize = torch.empty((), dtype=dtype).element_size()
     orders = ["factored"] + (["merged"] if dtype in (torch.float32, torch.float64) and not dropout and detach_norm else [])
     flags = [(True, True), (False, True), (True, False), (False, False)] if training else [(True, True)]
-    # the default variant's own extra (a dz chunk, xa) is what every plan starts from
-    allowance = max(memory_allowance(d_out, tokens, itemsize), extra_bytes(DEFAULT, d_in, d_out, r, tokens, itemsize, training))
+    # The allowance covers everything the layer adds over nn.Linear; the adapter gradients and
+    # their fp32 accumulators (and 4 MiB of small buffers) come out of it before any variant's own
+    # extra. The default variant is always allowed (it is what the memory targets were measured on).
+    fixed = (2 * 4 + 2 * itemsize) * (d_in + d_out) * r + 4 * 2**20 if training else 0
+    allowance = memory_allowance(d_out, tokens, itemsize) - fixed
     out = []
     for order, (chunked, save_xa) in itertools.product(orders, flags):
         v = Variant(order, chunked, save_xa)
@@ -152,7 +160,7 @@ def predict_ms(v: Variant, d_in: int, d_out: int, r: int, tokens: int, dtype: to
     """Predicted ms of one call (forward, or forward + backward when ``training``): the larger
     of the GPU time (a roofline per kernel plus a fixed cost) and the host time to issue it."""
     T, isz, fp32 = tokens, torch.empty((), dtype=dtype).element_size(), dtype in (torch.float32, torch.float64)
-    gpu, ops = 0.0, 4  # g = m/n, reshape, autograd bookkeeping
+    gpu, ops, bwd_ops = 0.0, 4, 0  # forward: g = m/n, reshape, the autograd node
     gpu += _gemm(T, d_out, d_in, isz, ceil, fp32)  # base = x·Wᵀ (or x·W'ᵀ)
     ops += 1
     if v.order == "merged":
@@ -174,16 +182,16 @@ def predict_ms(v: Variant, d_in: int, d_out: int, r: int, tokens: int, dtype: to
         gpu += _gemm(T, d_in, d_out, isz, ceil, fp32)  # dz·W (or dz·W')
         gpu += _gemm(d_out, r, T, isz, ceil, fp32)  # dB = s·dzᵀ·xa
         gpu += _gemm(r, d_in, T, isz, ceil, fp32)  # dA = s·(dz·B)ᵀ·x
-        ops += 10 + 5 * chunks
+        bwd_ops += 9 + 6 * chunks  # per chunk: dz/dm launch, dz·B, dz·W, addmm, dB GEMM + accumulate
         if v.order == "merged":
             gpu += _gemm(d_out, d_in, r, isz, ceil, fp32) + _pass(2 * d_out * d_in * isz, ceil)
-            ops += 1
+            bwd_ops += 1
         else:
             gpu += _gemm(T, d_in, r, isz, ceil, fp32)  # s·(dz·B)·A
         if not v.save_xa:
             gpu += _gemm(T, r, d_in, isz, ceil, fp32)
-            ops += 1
-    return 1e3 * max(gpu, ops * ceil.host_op_s)
+            bwd_ops += 1
+    return 1e3 * max(gpu, ops * ceil.host_fwd_op_s + bwd_ops * ceil.host_bwd_op_s)
 
 
 def measure_ms(v: Variant, d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype, training: bool,

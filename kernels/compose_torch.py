@@ -47,14 +47,15 @@ EPS = 1e-12
 
 def grad_scale_dm_torch(
     dy: torch.Tensor, saved: torch.Tensor, g: torch.Tensor, n: torch.Tensor, bias: torch.Tensor | None, *, from_output: bool,
-    final_dm: bool = False,
+    final_dm: bool = False, reduce: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch twin of ``grad_scale_dm_triton`` (same signature and results up to summation
     order): dz = g⊙dy in dy.dtype, saturated at the dtype's largest finite value where n < eps
     (g = m/eps there, so zero rows of W and B give 0, not inf·0); S = Σ_t dy⊙h with h = y - b
     when ``from_output`` (h = g⊙z) and h = z otherwise, accumulated in fp32 (fp64 for fp64).
     With ``final_dm``, S is dm = Σ_t dy⊙z / max(n, eps) (0 where g = 0 and n < eps, NaN where
-    g = 0 and n >= eps when ``from_output``: z is not recoverable there)."""
+    g = 0 and n >= eps when ``from_output``: z is not recoverable there). ``reduce=False``
+    returns S as one row of partials (1, d_out), as the Triton kernel's unsummed form."""
     acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
     dy_acc = dy.to(acc)
     dz = dy_acc * g.to(acc)
@@ -64,11 +65,15 @@ def grad_scale_dm_torch(
     if from_output and bias is not None:
         h = h - bias.to(acc)
     S = (dy_acc * h).sum(0)
-    if not final_dm:
-        return dz, S
+    dm = S if not final_dm else _finish_dm(S, g, n, from_output, acc)
+    return dz, dm if reduce else dm[None, :]
+
+
+def _finish_dm(S: torch.Tensor, g: torch.Tensor, n: torch.Tensor, from_output: bool, acc: torch.dtype) -> torch.Tensor:
+    """dm from S: S / max(n, eps), or from the output S / (g·max(n, eps)) with the g = 0 rules."""
     n_safe = n.to(acc).clamp_min(EPS)
     if not from_output:
-        return dz, S / n_safe
+        return S / n_safe
     gf = g.to(acc)
     lost = torch.where(n_safe > EPS, torch.full_like(S, float("nan")), torch.zeros_like(S))
-    return dz, torch.where(gf == 0, lost, S / torch.where(gf == 0, torch.ones_like(gf), gf * n_safe))
+    return torch.where(gf == 0, lost, S / torch.where(gf == 0, torch.ones_like(gf), gf * n_safe))

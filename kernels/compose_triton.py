@@ -176,17 +176,19 @@ def lora_up_compose_triton(
 
 def grad_scale_dm_triton(
     dy: torch.Tensor, saved: torch.Tensor, g: torch.Tensor, n: torch.Tensor, bias: torch.Tensor | None, *, from_output: bool,
-    final_dm: bool = False,
+    final_dm: bool = False, reduce: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dz, S): dz = g⊙dy in dy.dtype (saturated where n < eps); S = Σ_t dy⊙(y - b) if
     ``from_output`` else Σ_t dy⊙z (fp32); with ``final_dm``, S is dm = Σ_t dy⊙z / max(n, eps)
-    itself (see the kernel)."""
+    itself (see the kernel). ``reduce=False`` returns the (token blocks, d_out) partials
+    unsummed, so a caller working over token chunks sums all of them once, in order."""
     T, d_out = dy.shape
     dz = torch.empty_like(dy)
     cfg = grad_config(T, d_out)
     n_tb = triton.cdiv(T, cfg.block_t) if T else 0
     if n_tb == 0 or d_out == 0:
-        return dz, torch.zeros(d_out, dtype=torch.float32, device=dy.device)
+        zeros = torch.zeros(d_out, dtype=torch.float32, device=dy.device)
+        return dz, zeros if reduce else zeros[None, :]
     part = torch.empty(n_tb, d_out, dtype=torch.float32, device=dy.device)
     grid = (n_tb, triton.cdiv(d_out, cfg.block_d))
     launcher(_grad_scale_dm_kernel)[grid](
@@ -201,4 +203,6 @@ def grad_scale_dm_triton(
         BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d,
         num_warps=cfg.num_warps,
     )
+    if not reduce:
+        return dz, part
     return dz, part.sum(0) if n_tb > 1 else part[0]

@@ -169,8 +169,13 @@ def rowdot_triton(
     sq = torch.zeros(M, dtype=torch.float32, device=X.device) if compute_base else None
     if M > 0 and N > 0:
         grid = (triton.cdiv(M, cfg.block_m), n_tiles)
+        # Without the base term the kernel never writes sq_ptr, but it still gets a buffer of its
+        # own: passing ``part`` twice (two pointer arguments aliasing one tensor) made Inductor
+        # return a lora term of zeros under torch.compile (benchmarks/compile_diag.py, H200,
+        # torch 2.11: factored_norm's lora output rel_l2 1.0 against eager).
+        sq_arg = sq if sq is not None else torch.empty(1, dtype=torch.float32, device=X.device)
         launcher(_rowdot_kernel)[grid](
-            part, part.stride(0), sq if sq is not None else part,
+            part, part.stride(0), sq_arg,
             X, x_strides[0], x_strides[1],
             Y, Y.stride(0), Y.stride(1),
             C, C.stride(0), C.stride(1),

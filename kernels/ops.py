@@ -13,8 +13,8 @@ Every registered op is functional (no argument is mutated). In eager, ``call`` w
 place into the base output (``lora_up_compose_`` and ``lora_up_compose_save_z_``, saving a
 T×d_out buffer); while tracing it calls the functional op and returns a new y, and callers
 use the returned tensor either way, so a traced graph needs no mutation analysis for these
-buffers and leaves buffer reuse to Inductor. (Under torch.compile the norm is computed by the
-torch path, not by ``factored_norm``: doracheck.dispatch says why.)
+buffers and leaves buffer reuse to Inductor. Kernel launches never pass one tensor as two
+pointer arguments: that made Inductor miscompute the norm (norm_triton.rowdot_triton says how).
 
 Ops (namespace ``doracheck``):
 - ``factored_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out) -> (base, cross, lora, norm)``
@@ -22,7 +22,7 @@ Ops (namespace ``doracheck``):
 - ``lora_up_compose_save_z(base, xa, lora_B, g, bias?, scaling, base_has_bias) -> (y, z)``: also
   z = base + s·lora (with ``base_has_bias`` base is x·Wᵀ + b, as a PEFT base layer returns it)
 - ``lora_up_compose_dropout(base, base_dropped, xa, lora_B, g, bias?, scaling) -> (y, z_d)``
-- ``grad_scale_dm(dy, saved, g, n, bias?, from_output, final_dm) -> (dz, dm_sum or dm)``
+- ``grad_scale_dm(dy, saved, g, n, bias?, from_output, final_dm, reduce) -> (dz, dm_sum or dm, or their partials)``
 """
 
 from __future__ import annotations
@@ -98,9 +98,9 @@ def _lora_up_compose_dropout(
 
 def _grad_scale_dm(
     dy: torch.Tensor, saved: torch.Tensor, g: torch.Tensor, n: torch.Tensor, bias: torch.Tensor | None, from_output: bool,
-    final_dm: bool = False,
+    final_dm: bool = False, reduce: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return grad_scale_dm_triton(dy, saved, g, n, bias, from_output=from_output, final_dm=final_dm)
+    return grad_scale_dm_triton(dy, saved, g, n, bias, from_output=from_output, final_dm=final_dm, reduce=reduce)
 
 
 factored_norm_op = triton_op("doracheck::factored_norm", _factored_norm, mutates_args=())
