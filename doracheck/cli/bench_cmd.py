@@ -69,6 +69,33 @@ def _linear_ms(d_in, d_out, T, dtype, training, device, reps):
     return quantile(time_ms(call, device, reps), 0.5)
 
 
+def _measure_row(args, planner, name, device, d_in, d_out, r, T, dt, mode) -> dict:
+    training = mode == "train"
+    dt_name = next(k for k, v in DTYPES.items() if v == dt)
+    row = {"device": name, "torch": torch.__version__, "d_in": d_in, "d_out": d_out, "r": r, "tokens": T,
+           "dtype": dt_name, "mode": mode, "linear_ms": _linear_ms(d_in, d_out, T, dt, training, device, args.reps)}
+    if args.plan:
+        p = planner.plan(d_in, d_out, r, T, dt, training)
+        measured = {v.name: planner.measure_ms(v, d_in, d_out, r, T, dt, training, device, args.reps) for v in p.candidates}
+        fastest = min(measured, key=lambda k: measured[k])
+        row.update(chosen=p.variant.name, fastest=fastest, predicted_ms=p.predicted_ms, measured_ms=measured,
+                   chosen_over_fastest=measured[p.variant.name] / measured[fastest])
+    else:
+        v = planner.plan(d_in, d_out, r, T, dt, training).variant if device.type == "cuda" else planner.DEFAULT
+        row.update(variant=v.name, doracheck_ms=planner.measure_ms(v, d_in, d_out, r, T, dt, training, device, args.reps))
+        row["ratio_to_linear"] = row["doracheck_ms"] / row["linear_ms"]
+    return row
+
+
+def _format_row(row: dict, plan: bool) -> str:
+    head = f"{row['d_in']}x{row['d_out']} r{row['r']} T{row['tokens']} {row['dtype']} {row['mode']:5s} linear {row['linear_ms']:.4f}"
+    if plan:
+        cells = "  ".join(f"{k}: pred {row['predicted_ms'][k]:.4f} meas {row['measured_ms'][k]:.4f}" for k in row["measured_ms"])
+        mark = "ok" if row["chosen_over_fastest"] <= 1.05 else f"{row['chosen_over_fastest']:.2f}x"
+        return f"{head} | chose {row['chosen']} fastest {row['fastest']} ({mark}) | {cells}"
+    return f"{head}  doracheck {row['doracheck_ms']:.4f} ({row['variant']})  x{row['ratio_to_linear']:.2f} linear"
+
+
 def run(args) -> int:
     from doracheck import planner
 
@@ -89,53 +116,38 @@ def run(args) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     rows = []
     total = len(shapes) * len(tokens) * len(dtypes) * len(modes)
-    done = 0
-    for (d_in, d_out, r) in shapes:
-        for T in tokens:
-            for dt in dtypes:
-                for mode in modes:
-                    training = mode == "train"
-                    dt_name = next(k for k, v in DTYPES.items() if v == dt)
-                    row = {"device": name, "torch": torch.__version__, "d_in": d_in, "d_out": d_out, "r": r, "tokens": T,
-                           "dtype": dt_name, "mode": mode, "linear_ms": _linear_ms(d_in, d_out, T, dt, training, device, args.reps)}
-                    if args.plan:
-                        p = planner.plan(d_in, d_out, r, T, dt, training)
-                        measured = {v.name: planner.measure_ms(v, d_in, d_out, r, T, dt, training, device, args.reps) for v in p.candidates}
-                        fastest = min(measured, key=lambda k: measured[k])
-                        row.update(chosen=p.variant.name, fastest=fastest, predicted_ms=p.predicted_ms, measured_ms=measured,
-                                   chosen_over_fastest=measured[p.variant.name] / measured[fastest])
-                    else:
-                        v = planner.plan(d_in, d_out, r, T, dt, training).variant if device.type == "cuda" else planner.DEFAULT
-                        row.update(variant=v.name, doracheck_ms=planner.measure_ms(v, d_in, d_out, r, T, dt, training, device, args.reps))
-                        row["ratio_to_linear"] = row["doracheck_ms"] / row["linear_ms"]
-                    rows.append(row)
-                    done += 1
-                    if sys.stderr.isatty() and not args.json:
-                        print(f"\rdoracheck bench: {done}/{total}", end="", file=sys.stderr, flush=True)
-    if sys.stderr.isatty() and not args.json:
-        print(file=sys.stderr)
+    if not args.json:
+        print(f"doracheck bench on {name} (median ms of {args.reps} calls after warm-up)", flush=True)
+    csv_file = open(args.csv, "w", newline="") if args.csv else None  # noqa: SIM115 (written row by row)
+    writer = None
+    try:
+        for (d_in, d_out, r) in shapes:
+            for T in tokens:
+                for dt in dtypes:
+                    for mode in modes:
+                        row = _measure_row(args, planner, name, device, d_in, d_out, r, T, dt, mode)
+                        rows.append(row)
+                        if csv_file is not None:  # row by row: a run cut short keeps what it measured
+                            flat = {k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in row.items()}
+                            if writer is None:
+                                writer = csv.DictWriter(csv_file, fieldnames=list(flat))
+                                writer.writeheader()
+                            writer.writerow(flat)
+                            csv_file.flush()
+                        if not args.json:
+                            print(_format_row(row, args.plan), flush=True)
+                        elif sys.stderr.isatty():
+                            print(f"\rdoracheck bench: {len(rows)}/{total}", end="", file=sys.stderr, flush=True)
+    finally:
+        if csv_file is not None:
+            csv_file.close()
     summary = {}
     if args.plan:
         within = sum(1 for row in rows if row["chosen_over_fastest"] <= 1.05)
         summary = {"rows": len(rows), "chosen_within_5pct_of_fastest": within, "fraction": within / max(1, len(rows))}
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            flat = [{k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in row.items()} for row in rows]
-            w = csv.DictWriter(f, fieldnames=list(flat[0]))
-            w.writeheader()
-            w.writerows(flat)
     if args.json:
         print(json.dumps({"device": name, "rows": rows, "summary": summary}, indent=1))
         return 0
-    print(f"doracheck bench on {name} (median ms of {args.reps} calls after warm-up)")
-    for row in rows:
-        head = f"{row['d_in']}x{row['d_out']} r{row['r']} T{row['tokens']} {row['dtype']} {row['mode']:5s} linear {row['linear_ms']:.4f}"
-        if args.plan:
-            cells = "  ".join(f"{k}: pred {row['predicted_ms'][k]:.4f} meas {row['measured_ms'][k]:.4f}" for k in row["measured_ms"])
-            mark = "ok" if row["chosen_over_fastest"] <= 1.05 else f"{row['chosen_over_fastest']:.2f}x"
-            print(f"{head} | chose {row['chosen']} fastest {row['fastest']} ({mark}) | {cells}")
-        else:
-            print(f"{head}  doracheck {row['doracheck_ms']:.4f} ({row['variant']})  x{row['ratio_to_linear']:.2f} linear")
     if summary:
         print(f"planner: chosen within 5% of the fastest measured in {summary['chosen_within_5pct_of_fastest']} of {summary['rows']} rows")
     return 0
