@@ -26,6 +26,9 @@ import statistics
 import time
 
 import torch
+from llama_model import TARGETS, add_llama_args, llama_config
+
+from doracheck.timing import quantile
 
 
 def build(impl: str, args):
@@ -33,17 +36,14 @@ def build(impl: str, args):
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq + args.new_tokens + 8,
-    )
+    config = llama_config(args, args.seq + args.new_tokens + 8)
     with torch.device(args.device):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     kind, adapter_dtype = impl.rsplit("_", 1)
     use_dora = "dora" in kind
     lora = peft.LoraConfig(
         r=args.rank, lora_alpha=2 * args.rank, use_dora=use_dora,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        target_modules=TARGETS,
     )
     model = peft.get_peft_model(model, lora, autocast_adapter_dtype=(adapter_dtype == "fp32"))
     with torch.no_grad():
@@ -128,31 +128,16 @@ def measure(impl: str, args) -> dict:
     gc.collect()
     if dev == "cuda":
         torch.cuda.empty_cache()
-    return {"impl": impl, "step_ms": round(step_ms, 2), "step_ms_p20": round(quantile(step_times, 0.2), 2),
-            "step_ms_p80": round(quantile(step_times, 0.8), 2), "step_gib": round(step_gib, 3), "infer_ms": round(infer_ms, 2),
-            "infer_ms_p20": round(quantile(infer_times, 0.2), 2), "infer_ms_p80": round(quantile(infer_times, 0.8), 2),
+    return {"impl": impl, "step_ms": round(step_ms, 2), "step_ms_p20": round(quantile(sorted(step_times), 0.2), 2),
+            "step_ms_p80": round(quantile(sorted(step_times), 0.8), 2), "step_gib": round(step_gib, 3), "infer_ms": round(infer_ms, 2),
+            "infer_ms_p20": round(quantile(sorted(infer_times), 0.2), 2), "infer_ms_p80": round(quantile(sorted(infer_times), 0.8), 2),
             "decode_tok_s": round(decode_tps, 1)}
-
-
-def quantile(values, q: float) -> float:
-    """The q-quantile of the timings (linear interpolation, as numpy's default)."""
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--impls", default="peft_lora_bf16,peft_lora_fp32,peft_dora_bf16,peft_dora_fp32,doracheck_bf16,doracheck_fp32")
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--intermediate", type=int, default=14336)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--rank", type=int, default=384)
-    ap.add_argument("--seq", type=int, default=4096)
+    add_llama_args(ap)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--csv")

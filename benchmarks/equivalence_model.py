@@ -26,6 +26,7 @@ import sys
 import tempfile
 
 import torch
+from llama_model import TARGETS, add_llama_args, llama_config
 
 
 def build(args, seed: int = 0):
@@ -33,14 +34,10 @@ def build(args, seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=max(args.seq, args.train_seq) + 8,
-    )
+    config = llama_config(args, max(args.seq, args.train_seq) + 8)
     with torch.device(args.device):
         base = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = peft.get_peft_model(base, peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, use_dora=True, target_modules=targets))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, use_dora=True, target_modules=TARGETS))
     gen = torch.Generator(device=args.device).manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -60,13 +57,7 @@ def rel_l2(a, b) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--intermediate", type=int, default=14336)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--rank", type=int, default=384)
-    ap.add_argument("--seq", type=int, default=4096)
+    add_llama_args(ap)
     ap.add_argument("--train-seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--device", default="cuda")
