@@ -51,6 +51,13 @@ from . import norm_cache, planner
 from .dispatch import choose_path, factored_norm_full
 
 EPS = 1e-12
+_DM_PARTS_BYTES = 4 * 2**20  # dm partials kept over token chunks before they are folded into one row
+
+
+def _dropped(x: torch.Tensor, keep: torch.Tensor | None, p: float) -> torch.Tensor:
+    """x_d = x·keep/(1-p), in this one order everywhere (forward, backward, recompute), so a
+    recomputed x_d·Aᵀ is bitwise the forward's."""
+    return x if keep is None else x * keep.to(x.dtype) / (1.0 - p)
 
 
 def _rows(weight: torch.Tensor, fan_in_fan_out: bool) -> torch.Tensor:
@@ -73,8 +80,12 @@ _ZEROS: dict = {}
 
 
 def _zero_scalar(like: torch.Tensor) -> torch.Tensor:
-    """A 0-dim zero of ``like``'s dtype and device, made once (it is only an ignored addend)."""
-    if torch.compiler.is_compiling():
+    """A 0-dim zero of ``like``'s dtype and device, made once (it is only an ignored addend).
+    Only for plain tensors outside any tracing: a fake or functional tensor cached here would
+    break every later eager call."""
+    from doracheck.kernels.tracing import tracing
+
+    if type(like) is not torch.Tensor or tracing():
         return like.new_zeros(())
     key = (like.dtype, like.device)
     zero = _ZEROS.get(key)
@@ -142,7 +153,7 @@ def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p
     x_d = x2
     if keep_mask is not None:
         keep = keep_mask.expand(x.shape).reshape(-1, d_in)
-        x_d = x2 * keep.to(cd) / (1.0 - dropout_p)
+        x_d = _dropped(x2, keep, dropout_p)
     variant = planner.choose(
         d_in, W.shape[0], A.shape[0], x2.shape[0], cd, need_saved, keep is not None, detach_norm, x2.device
     )
@@ -232,7 +243,7 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
     final_dm = detach_norm  # without the exact norm gradient only dm itself is needed from the sums
     step = backward_token_chunk(T, d_out, dy2.element_size()) if variant.chunked else max(T, 1)
     if xa is None and T > 0 and need[3]:  # variant recompute_xa (or merged without a saved xa)
-        x_d_all = x2 if keep is None else x2 * (keep.to(cd) / (1.0 - dropout_p))
+        x_d_all = _dropped(x2, keep, dropout_p)
         xa = x_d_all @ A.t()
         del x_d_all
     # merged: dx = dz·W' with W' = W + s·B·A formed again here (the forward does not keep it)
@@ -249,7 +260,7 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
         dy_c = dy2[t0:t1] if chunked else dy2
         x_c = x2[t0:t1] if chunked else x2
         keep_c = None if keep is None else (keep[t0:t1] if chunked else keep).to(cd) / (1.0 - dropout_p)
-        x_d_c = x_c if keep_c is None else x_c * keep_c
+        x_d_c = _dropped(x_c, None if keep is None else (keep[t0:t1] if chunked else keep), dropout_p)
         # Over several chunks the dm partials are kept and summed once after the loop (in order:
         # deterministic), which saves the host two ops a chunk.
         dz, dm_c = _scaled_grad_chunk(
@@ -258,6 +269,8 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
         )
         if chunked:
             dm_parts.append(dm_c)
+            if sum(part.shape[0] for part in dm_parts) * d_out * 4 > _DM_PARTS_BYTES:  # fold, in order
+                dm_parts = [torch.cat(dm_parts).sum(0, keepdim=True)]
         else:
             dm_sum = dm_c
         if Wm is not None and not need[2]:
@@ -295,7 +308,7 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
         dm_sum = torch.cat(dm_parts).sum(0) if len(dm_parts) > 1 else dm_parts[0].sum(0)
     dA_acc = None
     if need[2] and T > 0:
-        x_d = x2 if keep is None else x2 * (keep.to(cd) / (1.0 - dropout_p))
+        x_d = _dropped(x2, keep, dropout_p)
         dA_acc = _scaled_mm((dzB_all if chunked else dzB).t(), x_d, s)
     if T == 0:
         dm_sum = torch.zeros(d_out, dtype=acc, device=x2.device)
@@ -414,7 +427,7 @@ class DoRAFromBaseFunction(torch.autograd.Function):
         x_d = x2
         if keep_mask is not None:
             keep = keep_mask.expand(x.shape).reshape(-1, x.shape[-1])
-            x_d = x2 * keep.to(cd) / (1.0 - dropout_p)
+            x_d = _dropped(x2, keep, dropout_p)
         xa = x_d @ A.t()
         r2 = result.view(-1, d_out)  # callers pass a contiguous result (the PEFT variant checks)
         from_output = False

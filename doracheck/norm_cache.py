@@ -45,23 +45,41 @@ def _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude):
         return None
 
 
-_fsdp_seen: dict[str, int] = {"count": -1, "active": 0}
+_fsdp_seen: dict[str, object] = {"fingerprint": None, "active": False}
+
+
+def _fsdp_state_class():
+    """FSDP2's state class (its module moved in torch 2.6), or None where there is none."""
+    for name in ("torch.distributed.fsdp._fully_shard._fsdp_state", "torch.distributed._composable.fsdp._fsdp_state"):
+        try:
+            module = __import__(name, fromlist=["FSDPState"])
+        except ImportError:
+            continue
+        cls = getattr(module, "FSDPState", None)
+        if cls is not None:
+            return cls
+    return None
 
 
 def fsdp_active() -> bool:
-    """True once any module in this process is managed by FSDP2 (``fully_shard``). Re-checked
-    only when the number of composable-API states changes (cheap in every forward)."""
+    """True once any module in this process is managed by FSDP2 (``fully_shard``); it stays
+    True. Re-checked only when the registry of composable-API states changes (its size or its
+    newest entry), which is O(1) in every forward."""
+    if _fsdp_seen["active"]:
+        return True
     try:
         from torch.distributed._composable_state import _module_state_mapping
     except ImportError:  # a build without torch.distributed
         return False
-    count = len(_module_state_mapping)
-    if count != _fsdp_seen["count"]:
-        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-
-        states = [s() if isinstance(s, weakref.ref) else s for s in list(_module_state_mapping.values())]
-        _fsdp_seen["count"] = count
-        _fsdp_seen["active"] = int(any(isinstance(s, FSDPState) for s in states))
+    data = getattr(_module_state_mapping, "data", None)  # the WeakKeyDictionary's dict, insertion-ordered
+    newest = next(reversed(data), None) if data else None
+    fingerprint = (len(_module_state_mapping), id(newest))
+    if fingerprint != _fsdp_seen["fingerprint"]:
+        _fsdp_seen["fingerprint"] = fingerprint
+        cls = _fsdp_state_class()
+        if cls is not None:
+            states = [s() if isinstance(s, weakref.ref) else s for s in list(_module_state_mapping.values())]
+            _fsdp_seen["active"] = any(isinstance(st, cls) for st in states)
     return bool(_fsdp_seen["active"])
 
 

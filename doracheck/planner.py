@@ -34,7 +34,6 @@ a candidate only if its own extra fits in what is left (the default always is).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -88,20 +87,27 @@ class Plan:
     candidates: list[Variant] = field(default_factory=list)
 
 
-_FORCED: contextvars.ContextVar[Variant | None] = contextvars.ContextVar("doracheck_variant", default=None)
+# Process-wide, not a ContextVar: the backward (autograd's device threads) and the recompute
+# of non-reentrant activation checkpointing run outside the caller's context, and must make
+# the same choice as the forward did (the saved tensors depend on it).
+_FORCED: list[Variant | None] = [None]
+_MAX_PLANS = 4096
 _PLANS: dict[tuple, Variant] = {}
 _TIMED: dict[tuple, dict[str, float]] = {}
 
 
 @contextlib.contextmanager
 def use_variant(variant: Variant | str) -> Iterator[None]:
-    """Force a variant (a ``Variant`` or its ``name``, e.g. "merged+whole") for calls made inside
-    the block; the backward reuses the forward's choice."""
-    token = _FORCED.set(parse_variant(variant) if isinstance(variant, str) else variant)
+    """Force a variant (a ``Variant`` or its ``name``, e.g. "merged+whole") for every call in the
+    process while the block is open (a testing and verification tool: keep the backward, and
+    any checkpoint recompute, inside the block). A forced variant is not checked for
+    precision: "merged" then runs in 16-bit too, where the property suite shows it fails."""
+    previous = _FORCED[0]
+    _FORCED[0] = parse_variant(variant) if isinstance(variant, str) else variant
     try:
         yield
     finally:
-        _FORCED.reset(token)
+        _FORCED[0] = previous
 
 
 def parse_variant(name: str) -> Variant:
@@ -234,7 +240,7 @@ def plan(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype = torch.
     if not timed:
         best = min(cands, key=lambda v: (predicted[v.name], v != DEFAULT))
         return Plan(best, predicted, None, "cost model", cands)
-    key = (d_in, d_out, r, tokens, dtype, training, str(device))
+    key = (d_in, d_out, r, tokens, dtype, training, dropout, detach_norm, str(device))
     if key not in _TIMED:
         fn = measure or measure_ms
         _TIMED[key] = {v.name: fn(v, d_in, d_out, r, tokens, dtype, training, device) for v in cands}
@@ -250,7 +256,7 @@ def choose(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype, train
     gradient) fall back to "factored" with the same flags."""
     if torch.compiler.is_compiling():
         return DEFAULT  # compiled graphs keep one order (and Dynamo does not trace ContextVar)
-    forced = _FORCED.get()
+    forced = _FORCED[0]
     if forced is not None:
         if forced.order == "merged" and (dropout or not detach_norm):
             return Variant("factored", forced.chunked, forced.save_xa)
@@ -260,6 +266,8 @@ def choose(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype, train
     key = (d_in, d_out, r, tokens, dtype, training, dropout, detach_norm)
     v = _PLANS.get(key)
     if v is None:
+        if len(_PLANS) >= _MAX_PLANS:  # many distinct token counts: start over rather than grow
+            _PLANS.clear()
         v = _PLANS[key] = plan(d_in, d_out, r, tokens, dtype, training, dropout=dropout, detach_norm=detach_norm).variant
     return v
 

@@ -9,37 +9,15 @@ from __future__ import annotations
 
 import os
 
-import torch
 import triton
 import triton.language as tl
-from torch._guards import detect_fake_mode
 from torch.library import wrap_triton
+
+from .tracing import tracing
 
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _mode_keys():
-    keys = getattr(torch._C, "_TorchDispatchModeKey", None)
-    return None if keys is None else (keys.FAKE, keys.PROXY)
-
-
-_MODE_KEYS = _mode_keys()
-
-
-def tracing() -> bool:
-    """True while torch.compile / export traces (fake tensors): kernels must go through
-    ``wrap_triton`` then. In eager they are launched directly: ``wrap_triton`` costs about
-    190 µs of CPU per launch in eager (H200 host, torch 2.11; benchmarks/kernel_timing.py).
-
-    The fake/proxy mode check reads the two dispatch-mode slots directly: ``detect_fake_mode``
-    cost 16 µs a call on the H200 host (benchmarks/cpu_overhead.py), four calls a step."""
-    if torch.compiler.is_compiling():
-        return True
-    if _MODE_KEYS is not None:
-        return any(torch._C._get_dispatch_mode(k) is not None for k in _MODE_KEYS)
-    return detect_fake_mode() is not None
 
 
 def launcher(kernel):

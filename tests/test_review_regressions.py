@@ -154,3 +154,106 @@ def test_audit_fp8_base_and_json_without_infinity(tmp_path, capsys):
     doc = json.loads(out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
     assert code == 1
     assert "structure.dtype" in {c["id"] for m in doc["modules"] for c in m["checks"]}
+
+
+# --- review of the planner / host-overhead change (2026-11-29) -------------------------------
+
+
+def _run_python(code: str) -> str:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_fsdp_detection_survives_the_pre_2_6_layout_and_same_size_registry():
+    """In a fresh process (FSDP detection is sticky): with torch < 2.6's module layout the
+    forward still runs; an FSDP state registered while another state died (same registry size)
+    is still seen."""
+    out = _run_python(
+        "import sys, gc, torch, torch.nn as nn\n"
+        "sys.modules['torch.distributed.fsdp._fully_shard._fsdp_state'] = None\n"
+        "import doracheck\n"
+        "W = torch.randn(8, 16); A = torch.randn(4, 16); B = torch.randn(8, 4); m = torch.rand(8) + 0.5\n"
+        "doracheck.dora_linear(torch.randn(3, 16), W, A, B, m, 2.0)\n"
+        "del sys.modules['torch.distributed.fsdp._fully_shard._fsdp_state']\n"
+        "from torch.distributed._composable_state import _insert_module_state, _State, _module_state_mapping\n"
+        "from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState\n"
+        "from doracheck.norm_cache import fsdp_active\n"
+        "m1 = nn.Linear(2, 2); s1 = _State(); _insert_module_state(m1, s1)\n"
+        "a = fsdp_active(); n1 = len(_module_state_mapping)\n"
+        "del m1; gc.collect()\n"
+        "m2 = nn.Linear(2, 2); s2 = FSDPState(); _insert_module_state(m2, s2)\n"
+        "print(a, fsdp_active(), n1 == len(_module_state_mapping))\n"
+    )
+    assert out.split() == ["False", "True", "True"]
+
+
+def test_tracing_outside_dynamo_does_not_poison_the_zero_addend():
+    """A backward traced under FakeTensorMode must not leave a fake tensor in a cache that
+    later eager backwards use."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import doracheck.autograd as ag
+
+    ag._ZEROS.clear()
+    with FakeTensorMode():
+        W = torch.randn(8, 16)
+        A = torch.randn(4, 16, requires_grad=True)
+        doracheck.dora_linear(torch.randn(3, 16), W, A, torch.randn(8, 4), torch.rand(8) + 0.5, 2.0).sum().backward()
+    assert all(type(z) is torch.Tensor for z in ag._ZEROS.values())
+    A = torch.randn(4, 16, requires_grad=True)
+    doracheck.dora_linear(torch.randn(3, 16), torch.randn(8, 16), A, torch.randn(8, 4), torch.rand(8) + 0.5, 2.0).sum().backward()
+    assert torch.isfinite(A.grad).all()
+
+
+@pytest.mark.parametrize("variant", ["factored+recompute_xa", "merged+recompute_xa"])
+def test_forced_variant_under_non_reentrant_checkpoint(variant):
+    from torch.utils.checkpoint import checkpoint
+
+    from doracheck.planner import use_variant
+
+    gen = torch.Generator().manual_seed(0)
+    W = torch.randn(12, 16, generator=gen)
+    A = (torch.randn(4, 16, generator=gen) * 0.3).requires_grad_()
+    x = torch.randn(8, 16, generator=gen, requires_grad=True)
+    B, m = torch.randn(12, 4, generator=gen) * 0.3, torch.rand(12, generator=gen) + 0.5
+    with use_variant(variant):
+        checkpoint(lambda t: doracheck.dora_linear(t, W, A, B, m, 2.0), x, use_reentrant=False).sum().backward()
+        ga = A.grad.clone()
+        A.grad = None
+        doracheck.dora_linear(x, W, A, B, m, 2.0).sum().backward()
+    assert torch.allclose(ga, A.grad)
+
+
+def test_recomputed_xa_with_dropout_is_bitwise_the_saved_one():
+    from doracheck.planner import use_variant
+
+    gen = torch.Generator().manual_seed(1)
+    W = torch.randn(12, 16, generator=gen).bfloat16()
+    x = torch.randn(5, 16, generator=gen).bfloat16()
+    B = (torch.randn(12, 4, generator=gen) * 0.3).bfloat16().requires_grad_()
+    A, m = (torch.randn(4, 16, generator=gen) * 0.3).bfloat16(), (torch.rand(12, generator=gen) + 0.5)
+    mask = (torch.rand(5, 16, generator=gen) > 0.3).bfloat16()
+    grads = []
+    for variant in ("factored", "factored+recompute_xa"):
+        B.grad = None
+        with use_variant(variant):
+            y = doracheck.dora_linear(x, W, A, B, m, 2.0, dropout_p=0.3, training=True, dropout_mask=mask)
+            y.float().sum().backward()
+        grads.append(B.grad.clone())
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_timed_plans_are_keyed_by_dropout_and_norm_mode():
+    from doracheck.planner import plan
+
+    def fake(v, *args):
+        return 1.0 if v.order == "merged" else 2.0
+
+    shape = (96, 80, 8, 70000, torch.float32, True)
+    with_dropout = plan(*shape, timed=True, device="cpu", dropout=True, measure=fake)
+    without = plan(*shape, timed=True, device="cpu", dropout=False, measure=fake)
+    assert with_dropout.variant.order == "factored" and without.variant.order == "merged"

@@ -1,0 +1,29 @@
+"""Whether torch.compile / export is tracing right now (no triton import: usable anywhere)."""
+
+from __future__ import annotations
+
+import torch
+from torch._guards import detect_fake_mode
+
+
+def _mode_keys():
+    keys = getattr(torch._C, "_TorchDispatchModeKey", None)
+    return None if keys is None else tuple(getattr(keys, k) for k in ("FAKE", "PROXY", "FUNCTIONAL") if hasattr(keys, k))
+
+
+_MODE_KEYS = _mode_keys()
+
+
+def tracing() -> bool:
+    """True while torch.compile / export traces (fake, proxy or functional tensors): kernels
+    must go through ``wrap_triton`` then, and nothing traced may be kept in Python caches. In
+    eager Triton kernels are launched directly: ``wrap_triton`` costs about 190 µs of CPU per
+    launch in eager (H200 host, torch 2.11; benchmarks/kernel_timing.py).
+
+    The mode check reads the dispatch-mode slots directly: ``detect_fake_mode`` cost 16 µs a
+    call on the H200 host (benchmarks/cpu_overhead.py), four calls a step."""
+    if torch.compiler.is_compiling():
+        return True
+    if _MODE_KEYS is not None:
+        return any(torch._C._get_dispatch_mode(k) is not None for k in _MODE_KEYS)
+    return detect_fake_mode() is not None
