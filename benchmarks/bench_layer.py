@@ -20,12 +20,12 @@ Prints a table last; writes the CSV (GPU name, versions, shape, mode, median, qu
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import sys
 
 import torch
 import triton
+from row_csv import RowWriter
 from torch import nn
 
 import doracheck
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     gpu = torch.cuda.get_device_name()
     versions = {"torch": torch.__version__, "triton": triton.__version__, "peft": peft.__version__, "doracheck": doracheck.__version__}
-    rows = []
+    out = RowWriter(args.csv)
     impls = args.impls.split(",")
     for d_in, d_out, r in parse_shapes(args.shapes):
         for T in (int(t) for t in args.tokens.split(",")):
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
                 lin = results.get(("linear", mode), (float("nan"),))[0]
                 pf = results.get(("peft_dora_fp32", mode), (float("nan"),))[0]
                 pb = results.get(("peft_dora_bf16", mode), (float("nan"),))[0]
-                rows.append(
+                out.add(
                     {
                         "gpu": gpu, **versions, "impl": impl, "d_in": d_in, "d_out": d_out, "r": r, "tokens": T,
                         "dtype": "bf16", "mode": mode, "median_ms": round(med, 5), "q20_ms": round(q20, 5),
@@ -173,11 +173,7 @@ def main(argv=None) -> int:
                 print(f"{d_in}x{d_out} r{r} T{T} {mode:5s} {impl:15s} {med:8.4f} ms  [{q20:.4f}, {q80:.4f}]  "
                       f"{peak:8.1f} MiB  x{med / lin:5.2f} linear  PEFTfp32/this {pf / med:5.2f}  PEFTbf16/this {pb / med:5.2f}",
                       flush=True)
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+    out.close()
     return 0
 
 

@@ -20,13 +20,13 @@ CPU smoke (no figures): --device cpu --layers 1 --hidden 64 --intermediate 128 -
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import statistics
 import time
 
 import torch
 from llama_model import TARGETS, add_llama_args, llama_config
+from row_csv import RowWriter
 
 from doracheck.timing import quantile
 
@@ -150,18 +150,14 @@ def main(argv=None) -> int:
     import transformers
     import triton
 
-    rows = []
+    out = RowWriter(args.csv)
     for impl in args.impls.split(","):
         row = measure(impl, args)
         row.update(gpu=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__, triton=triton.__version__,
                    peft=peft.__version__, transformers=transformers.__version__)
-        rows.append(row)
+        out.add(row)
         print(row, flush=True)
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+    out.close()
     return 0
 
 
