@@ -33,8 +33,11 @@ only, "merged" (W' = W + s·B·A formed in the forward and again in the backward
 the planner also decides whether the backward is chunked and whether xa is saved or recomputed.
 
 The backward runs over token chunks when dz (T×d_out) would be large (settings
-``backward_token_chunk``): dx is written chunk by chunk, dB and dm accumulate in fp32, dz·B
-(T×r) is kept for one dA GEMM at the end.
+``backward_token_chunk``). Without dropout, what does not need dz itself is then formed once
+over all tokens from dy and g, which leaves two ops a chunk (the dz/dm pass, dx += dz·W) for
+the host to issue: dz·B = dy·(g⊙B) (T×r), dB = s·diag(g)·(dyᵀ·xa) (an fp32 GEMM output on
+CUDA, scaled and rounded once), dx = s·(dz·B)·A to start from. The dm partials of all chunks
+are summed once, in order, at the end. With dropout, dz·B and dB are accumulated chunk by chunk.
 Rows with n < eps (g = m/eps, up to 1e12) get dz saturated at the dtype's largest finite
 value instead of inf, so zero rows of W and B contribute 0 rather than inf·0 = NaN (fp16).
 Without autograd (no_grad, or nothing requires grad) the forward runs without an
@@ -98,6 +101,25 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
     """s·(a·b) as one GEMM with alpha = s: scaled in the fp32 accumulator and rounded once,
     with no fp32 copy of the (r × d_in or d_out × r) result. beta = 0: the addend is not read."""
     return torch.addmm(_zero_scalar(a), a, b, beta=0, alpha=s)
+
+
+def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a·b with the fp32 accumulator written as fp32 where cuBLAS offers that GEMM (CUDA,
+    ``aten::mm.dtype``, torch >= 2.8), so nothing is rounded to 16 bits; elsewhere a·b in a's dtype."""
+    if a.dtype in (torch.float16, torch.bfloat16) and a.device.type == "cuda" and _HAS_MM_DTYPE:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a @ b
+
+
+_HAS_MM_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+
+
+def _row_scaled_tmm(dy: torch.Tensor, xa: torch.Tensor, g: torch.Tensor, s: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """dB = s·diag(g)·(dyᵀ·xa) = s·dzᵀ·xa (dz = g⊙dy), over all tokens at once, in ``out_dtype``:
+    one GEMM and one fp32 row scaling (addcmul), rounded once to ``out_dtype``."""
+    P = _mm_fp32_out(dy.t(), xa)
+    out = torch.empty(P.shape, dtype=out_dtype, device=P.device)
+    return torch.addcmul(_zero_scalar(g), P, g[:, None], value=s, out=out)
 
 
 def _norm_and_scale(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out, detach_norm, path="torch"):
@@ -252,8 +274,24 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
     dx2 = torch.empty(T, d_in, dtype=cd, device=x2.device) if need[0] else None
     dB_acc = dW_rows = dm_sum = None
     dm_parts: list[torch.Tensor] = []
-    # dz·B for every token is small (T×r): keep it and form dA = s·(dz·B)ᵀ·x_d with one GEMM after.
-    dzB_all = torch.empty(T, A.shape[0], dtype=cd, device=x2.device) if (need[2] and chunked) else None
+    # Over several chunks without dropout, every product that does not need dz itself is formed
+    # once over all tokens from dy and g (two ops a chunk are left: dz/dm and dx += dz·W):
+    #   dz·B = dy·(g⊙B),   dB = s·diag(g)·(dyᵀ·xa),   dx = s·(dz·B)·A, then + dz·W per chunk.
+    prescaled = chunked and keep is None and Wm is None
+    dzB_all = None
+    if prescaled:
+        if need[0] or need[2]:
+            gB = torch.empty_like(B)
+            torch.mul(B, g[:, None], out=gB)  # fp32 product, rounded once to cd (as dz = g⊙dy is)
+            dzB_all = dy2 @ gB
+            del gB
+        if dx2 is not None:
+            torch.addmm(_zero_scalar(dx2), dzB_all, A, beta=0, alpha=s, out=dx2)
+        if need[3]:
+            dB_acc = _row_scaled_tmm(dy2, xa, g, s, lora_B.dtype)
+    elif need[2] and chunked:
+        # dz·B for every token is small (T×r): keep it and form dA = s·(dz·B)ᵀ·x_d with one GEMM after.
+        dzB_all = torch.empty(T, A.shape[0], dtype=cd, device=x2.device)
     dzB = None
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
@@ -273,13 +311,16 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
                 dm_parts = [torch.cat(dm_parts).sum(0, keepdim=True)]
         else:
             dm_sum = dm_c
-        if Wm is not None and not need[2]:
+        if prescaled:
+            if dx2 is not None:
+                dx2[t0:t1].addmm_(dz, W)
+        elif Wm is not None and not need[2]:
             dzB = None
         elif dzB_all is not None:  # written straight into its rows of the T×r buffer
             dzB = torch.mm(dz, B, out=dzB_all[t0:t1])
         else:
             dzB = dz @ B  # (t, r)
-        if dx2 is not None:
+        if dx2 is not None and not prescaled:
             out = dx2[t0:t1] if chunked else dx2
             if Wm is not None:
                 torch.mm(dz, Wm, out=out)
@@ -292,7 +333,7 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
                 torch.mm(dy_c, W, out=out)
                 out += dropped
         # Adapter gradients: one chunk -> straight from the GEMM; several -> fp32 accumulators.
-        if need[3]:
+        if need[3] and not prescaled:
             if not chunked:  # s applied inside the GEMM (one rounding, no fp32 copy of dB)
                 dB_acc = _scaled_mm(dz.t(), xa, s)
             else:
@@ -324,7 +365,7 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
 
     dx = dx2.reshape(*lead, d_in) if dx2 is not None else None
     # s is already in the GEMM's alpha, except for the fp32 accumulator of a chunked dB.
-    dB = (dB_acc.mul_(s) if chunked and T > 0 else dB_acc) if dB_acc is not None else None
+    dB = (dB_acc.mul_(s) if chunked and not prescaled and T > 0 else dB_acc) if dB_acc is not None else None
     dA = dA_acc
     db = dy2.to(acc).sum(0).to(bias.dtype) if (need[5] and bias is not None) else None
 

@@ -178,6 +178,21 @@ def test_chunked_backward_equals_one_chunk(monkeypatch, path):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("path", ["triton", "torch"])
+@pytest.mark.parametrize("dtype,adapter_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+def test_chunked_backward_within_budget_in_16_bit(monkeypatch, path, dtype, adapter_dtype, with_bias):
+    """Over several token chunks, dz·B, dB and the LoRA half of dx are formed from dy and g over
+    all tokens (autograd.py); in 16-bit dtypes that must stay within the oracle budgets too."""
+    from doracheck.kernels import settings
+
+    monkeypatch.setattr(settings, "BACKWARD_CHUNK_BYTES", 29 * 2 * 8)  # 8 tokens per chunk: 5 chunks
+    case = make_case(29, 31, 6, 37, dtype, adapter_dtype=adapter_dtype, seed=13, with_bias=with_bias)
+    with use_path(path):
+        check_against_oracle(case, dtype)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
 def test_torch_compile_matches_eager_on_the_triton_ops(with_bias):
     """torch.compile (Inductor, fullgraph) over the Triton ops gives eager's forward and gradients.
