@@ -122,11 +122,12 @@ def _row_scaled_tmm(dy: torch.Tensor, xa: torch.Tensor, g: torch.Tensor, s: floa
     return torch.addcmul(_zero_scalar(g), P, g[:, None], value=s, out=out)
 
 
-def _norm_and_scale(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out, detach_norm, path="torch"):
+def _norm_and_scale(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out, detach_norm, path="torch", need_g=True):
     """(FactoredNorm, g = m / max(n, eps), max(n, eps)). The norm and max(n, eps) come from the
     norm cache while W, A, B are unchanged; g is recomputed each call (one small kernel),
     because the magnitude is a trained parameter that tools also write through ``.data``
-    (gradcheck does), which no version counter sees."""
+    (gradcheck does), which no version counter sees. ``need_g=False`` gives g = None (the
+    inference kernel divides m by max(n, eps) itself)."""
 
     def compute():
         with torch.no_grad():
@@ -143,7 +144,7 @@ def _norm_and_scale(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out, 
     else:  # U and G are needed; not worth caching (training-only mode)
         fn, n_safe = compute()
     # m / n_safe with type promotion: a 16-bit m is read as fp32 by the division itself (one op).
-    return fn, torch.div(magnitude, n_safe), n_safe
+    return fn, (torch.div(magnitude, n_safe) if need_g else None), n_safe
 
 
 def _use_triton(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
@@ -166,8 +167,11 @@ def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p
     W = W if W.dtype == cd else W.to(cd)
     A = lora_A if lora_A.dtype == cd else lora_A.to(cd)
     triton_path = _use_triton(x, weight, lora_A, lora_B, magnitude, bias)
+    # Inference on the Triton path (no dropout, nothing saved): g = m / n is formed in the kernel.
+    g_in_kernel = triton_path and not need_saved and keep_mask is None
     fn, g, n_safe = _norm_and_scale(
-        weight, lora_A, lora_B, magnitude, s, fan_in_fan_out, detach_norm, "triton" if triton_path else "torch"
+        weight, lora_A, lora_B, magnitude, s, fan_in_fan_out, detach_norm, "triton" if triton_path else "torch",
+        need_g=not g_in_kernel,
     )
     n = fn.norm
 
@@ -194,7 +198,9 @@ def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p
         if need_saved and not variant.save_xa:
             xa = None  # recomputed in the backward
     from_output = False
-    if triton_path:
+    if g_in_kernel:
+        y = saved_h = ops.compose_infer_(base, xa_up, B_up, magnitude, n_safe, bias, s)
+    elif triton_path:
         if keep is None and (bias is None or not need_saved):
             y = saved_h = ops.call("lora_up_compose_", base, xa_up, B_up, g, bias, s)  # in place in eager
             from_output = bias is None
@@ -435,6 +441,73 @@ def dora_linear_autograd(x, weight, lora_A, lora_B, magnitude, scaling, bias, ke
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def _from_base_forward(result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask, dropout_p, *,
+                       need_saved):
+    """``result`` rewritten in place into the DoRA output (see ``DoRAFromBaseFunction``); returns
+    (the tensors a backward needs, flags). ``need_saved=False`` (no autograd): inference on the
+    Triton path forms g = m / n inside the compose kernel and nothing is kept."""
+    from doracheck.kernels import ops
+
+    s = float(scaling)
+    cd = result.dtype
+    d_out = result.shape[-1]
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()  # the kernels read b with stride 1
+    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x2 if x2.dtype == cd else x2.to(cd)
+    triton_path = _use_triton(x2, weight, lora_A, lora_B, magnitude, bias)
+    g_in_kernel = triton_path and not need_saved and keep_mask is None
+    fn, g, n_safe = _norm_and_scale(
+        weight, lora_A, lora_B, magnitude, s, fan_in_fan_out, True, "triton" if triton_path else "torch", need_g=not g_in_kernel
+    )
+    A = lora_A if lora_A.dtype == cd else lora_A.to(cd)
+    if g_in_kernel:  # inference: y = b + g⊙(result - b + s·xa·Bᵀ), g = m / n in the kernel, in place
+        r2 = result.view(-1, d_out)
+        y = ops.compose_infer_(r2, x2 @ A.t(), lora_B, magnitude, n_safe, bias, s, True)
+        if y is not r2:  # traced: the functional op returned a new tensor
+            r2.copy_(y)
+        return (), (True, False)
+    keep = None
+    x_d = x2
+    if keep_mask is not None:
+        keep = keep_mask.expand(x.shape).reshape(-1, x.shape[-1])
+        x_d = _dropped(x2, keep, dropout_p)
+    xa = x_d @ A.t()
+    r2 = result.view(-1, d_out)  # callers pass a contiguous result (the PEFT variant checks)
+    from_output = False
+    if keep is not None:
+        W = _rows(weight, fan_in_fan_out)
+        base_d = x_d @ (W if W.dtype == cd else W.to(cd)).t()
+        if triton_path:  # y = result + (g-1)⊙base_d + g⊙s⊙lora_d (result already holds b)
+            y, saved_h = ops.call("lora_up_compose_dropout", r2, base_d, xa, lora_B, g, None, s)
+            r2.copy_(y)
+            del y
+        else:
+            acc = fn.norm.dtype
+            B = lora_B if lora_B.dtype == cd else lora_B.to(cd)
+            lora = (xa @ B.t()).to(acc)
+            r2.copy_(r2.to(acc) + (g - 1.0) * base_d.to(acc) + (g * s) * lora)
+            saved_h = (base_d.to(acc) + s * lora).to(cd)
+    elif triton_path and bias is None:
+        y = ops.call("lora_up_compose_", r2, xa, lora_B, g, None, s)
+        if y is not r2:  # traced: the functional op returned a new tensor
+            r2.copy_(y)
+        saved_h, from_output = result, True  # saved as the output itself (a view of it would be refused)
+    elif triton_path:
+        y, saved_h = ops.call("lora_up_compose_save_z_", r2, xa, lora_B, g, bias, s, True)
+        if y is not r2:
+            r2.copy_(y)
+    else:
+        acc = fn.norm.dtype
+        B = lora_B if lora_B.dtype == cd else lora_B.to(cd)
+        base = r2.to(acc) - (bias.to(acc) if bias is not None else 0.0)
+        z = base + s * (xa @ B.t()).to(acc)
+        y = g * z + (bias.to(acc) if bias is not None else 0.0)
+        r2.copy_(y)
+        saved_h = z.to(cd)
+    return (x2, keep, xa, saved_h, g, fn.norm, n_safe, None, None), (triton_path, from_output)
+
+
 class DoRAFromBaseFunction(torch.autograd.Function):
     """DoRA on top of a base output that a caller (PEFT's LoRA Linear) already computed.
 
@@ -450,63 +523,12 @@ class DoRAFromBaseFunction(torch.autograd.Function):
     def forward(ctx, result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask=None, dropout_p=0.0):
         # ``result`` comes first: when it is a view (F.linear on 3-D input), autograd rebases its
         # history through CopySlices, which takes the dirty tensor's gradient from slot 0.
-        from doracheck.kernels import ops
-
-        s = float(scaling)
-        cd = result.dtype
-        d_out = result.shape[-1]
-        if bias is not None and not bias.is_contiguous():
-            bias = bias.contiguous()  # the kernels read b with stride 1
-        x2 = x.reshape(-1, x.shape[-1])
-        x2 = x2 if x2.dtype == cd else x2.to(cd)
-        triton_path = _use_triton(x2, weight, lora_A, lora_B, magnitude, bias)
-        fn, g, n_safe = _norm_and_scale(
-            weight, lora_A, lora_B, magnitude, s, fan_in_fan_out, True, "triton" if triton_path else "torch"
-        )
-        A = lora_A if lora_A.dtype == cd else lora_A.to(cd)
-        keep = None
-        x_d = x2
-        if keep_mask is not None:
-            keep = keep_mask.expand(x.shape).reshape(-1, x.shape[-1])
-            x_d = _dropped(x2, keep, dropout_p)
-        xa = x_d @ A.t()
-        r2 = result.view(-1, d_out)  # callers pass a contiguous result (the PEFT variant checks)
-        from_output = False
-        if keep is not None:
-            W = _rows(weight, fan_in_fan_out)
-            base_d = x_d @ (W if W.dtype == cd else W.to(cd)).t()
-            if triton_path:  # y = result + (g-1)⊙base_d + g⊙s⊙lora_d (result already holds b)
-                y, saved_h = ops.call("lora_up_compose_dropout", r2, base_d, xa, lora_B, g, None, s)
-                r2.copy_(y)
-                del y
-            else:
-                acc = fn.norm.dtype
-                B = lora_B if lora_B.dtype == cd else lora_B.to(cd)
-                lora = (xa @ B.t()).to(acc)
-                r2.copy_(r2.to(acc) + (g - 1.0) * base_d.to(acc) + (g * s) * lora)
-                saved_h = (base_d.to(acc) + s * lora).to(cd)
-        elif triton_path and bias is None:
-            y = ops.call("lora_up_compose_", r2, xa, lora_B, g, None, s)
-            if y is not r2:  # traced: the functional op returned a new tensor
-                r2.copy_(y)
-            saved_h, from_output = result, True  # saved as the output itself (a view of it would be refused)
-        elif triton_path:
-            y, saved_h = ops.call("lora_up_compose_save_z_", r2, xa, lora_B, g, bias, s, True)
-            if y is not r2:
-                r2.copy_(y)
-        else:
-            acc = fn.norm.dtype
-            B = lora_B if lora_B.dtype == cd else lora_B.to(cd)
-            base = r2.to(acc) - (bias.to(acc) if bias is not None else 0.0)
-            z = base + s * (xa @ B.t()).to(acc)
-            y = g * z + (bias.to(acc) if bias is not None else 0.0)
-            r2.copy_(y)
-            saved_h = z.to(cd)
+        tensors, flags = _from_base_forward(result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out,
+                                            keep_mask, dropout_p, need_saved=True)
         ctx.mark_dirty(result)
-        tensors = (x2, keep, xa, saved_h, g, fn.norm, n_safe, None, None)
         ctx.save_for_backward(*tensors, weight, lora_A, lora_B, magnitude, bias)
-        ctx.flags = (triton_path, from_output)
-        ctx.args = (s, fan_in_fan_out, x.shape[:-1], float(dropout_p))
+        ctx.flags = flags
+        ctx.args = (float(scaling), fan_in_fan_out, x.shape[:-1], float(dropout_p))
         return result
 
     @staticmethod
@@ -527,6 +549,11 @@ class DoRAFromBaseFunction(torch.autograd.Function):
 def dora_from_base(x, result, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out=False, keep_mask=None, dropout_p=0.0):
     """``DoRAFromBaseFunction``: y = g⊙(result - b + s·(x·Aᵀ)·Bᵀ) + b written into ``result``
     (with a bool ``keep_mask``: PEFT's dropout form, see the class)."""
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (result, x, lora_A, lora_B, magnitude, bias))):
+        # No autograd: the forward alone, without the Function machinery (decode runs here).
+        _from_base_forward(result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask,
+                           dropout_p, need_saved=False)
+        return result
     return DoRAFromBaseFunction.apply(
         result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask, dropout_p
     )

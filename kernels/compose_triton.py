@@ -35,9 +35,11 @@ def _lora_up_compose_kernel(
     based_ptr, stride_dt, stride_dd,  # x_d·Wᵀ (HAS_BASE_D)
     xa_ptr, stride_xt, stride_xr,  # x_d·Aᵀ (T, r)
     lb_ptr, stride_lm, stride_lr,  # B (d_out, r)
-    g_ptr, bias_ptr,  # g fp32 (d_out,), bias (d_out,)
+    g_ptr, bias_ptr,  # g fp32 (d_out,) (the magnitude m with G_FROM_M), bias (d_out,)
+    nsafe_ptr,  # max(n, eps) fp32 (d_out,), read only with G_FROM_M
     T, d_out, r, scaling,
     HAS_BIAS: tl.constexpr, HAS_BASE_D: tl.constexpr, WRITE_Z: tl.constexpr, BASE_HAS_BIAS: tl.constexpr,
+    G_FROM_M: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -64,7 +66,10 @@ def _lora_up_compose_kernel(
         lb = tl.load(lb_ptr + cols[:, None] * stride_lm + k[None, :] * stride_lr, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc = dot_acc(xa.to(DOT_DTYPE), tl.trans(lb.to(DOT_DTYPE)), acc, INTERPRET, PRECISION)
     mask = row_ok[:, None] & col_ok[None, :]
-    g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if G_FROM_M:  # g = m / max(n, eps), correctly rounded: bitwise torch's division
+        g = tl.math.div_rn(g, tl.load(nsafe_ptr + cols, mask=col_ok, other=1.0).to(tl.float32))
+    g = g[None, :]
     base = tl.load(base_ptr + rows[:, None] * stride_bt + cols[None, :] * stride_bd, mask=mask, other=0.0).to(tl.float32)
     if HAS_BASE_D:
         base_d = tl.load(based_ptr + rows[:, None] * stride_dt + cols[None, :] * stride_dd, mask=mask, other=0.0).to(tl.float32)
@@ -143,9 +148,12 @@ def lora_up_compose_triton(
     out: torch.Tensor | None = None,
     z_out: torch.Tensor | None = None,
     base_has_bias: bool = False,
+    n_safe: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = compose(base, xa·Bᵀ, g) in base.dtype; ``out`` may be ``base`` itself (in place).
-    ``base_has_bias``: ``base`` already holds x·Wᵀ + b (no dropout): y = g⊙(base - b + s·lora) + b."""
+    ``base_has_bias``: ``base`` already holds x·Wᵀ + b (no dropout): y = g⊙(base - b + s·lora) + b.
+    ``n_safe``: then ``g`` is the magnitude m and the kernel forms g = m / n_safe itself
+    (correctly rounded, as torch divides), which saves the host one op per call."""
     T, d_out = base.shape
     r = xa.shape[1]
     y = out if out is not None else torch.empty_like(base)
@@ -164,9 +172,10 @@ def lora_up_compose_triton(
         xa, xa.stride(0), xa.stride(1),
         lora_B, lora_B.stride(0), lora_B.stride(1),
         g, bias if bias is not None else g,
+        n_safe if n_safe is not None else g,
         T, d_out, r, float(scaling),
         HAS_BIAS=bias is not None, HAS_BASE_D=base_dropped is not None, WRITE_Z=z_out is not None,
-        BASE_HAS_BIAS=base_has_bias and bias is not None and base_dropped is None,
+        BASE_HAS_BIAS=base_has_bias and bias is not None and base_dropped is None, G_FROM_M=n_safe is not None,
         DOT_DTYPE=dot_dtype, PRECISION="tf32x3" if xa.dtype == torch.float32 else "ieee", INTERPRET=interpreting(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -121,6 +121,22 @@ _EAGER: dict[str, Callable[..., Any]] = {
 _TRACED = {"lora_up_compose_": "lora_up_compose", "lora_up_compose_save_z_": "lora_up_compose_save_z"}
 
 
+def compose_infer_(
+    base: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor, magnitude: torch.Tensor, n_safe: torch.Tensor,
+    bias: torch.Tensor | None, scaling: float, base_has_bias: bool = False,
+) -> torch.Tensor:
+    """Inference (nothing saved for a backward): y = b + g⊙(base [- b] + s·xa·Bᵀ) with g = m / n_safe
+    formed inside the kernel; in eager written in place into ``base``. While tracing: g in torch
+    and the functional op (then use the returned tensor)."""
+    if tracing():
+        g = torch.div(magnitude, n_safe)
+        if base_has_bias and bias is not None:
+            return torch.ops.doracheck.lora_up_compose_save_z(base, xa, lora_B, g, bias, scaling, True)[0]
+        return torch.ops.doracheck.lora_up_compose(base, xa, lora_B, g, bias, scaling)
+    lora_up_compose_triton(base, xa, lora_B, magnitude, scaling, bias, out=base, base_has_bias=base_has_bias, n_safe=n_safe)
+    return base
+
+
 def call(name: str, *args):
     """Run op ``name``: directly in eager; while tracing through ``torch.ops.doracheck``, where
     the in-place names map to their functional ops (use the returned tensors)."""

@@ -74,4 +74,31 @@ def _record(label: str, family: str, dtype: str, errors: dict) -> None:
         f.write(json.dumps({"case": label, "family": family, "dtype": dtype, "errors": errors}) + "\n")
 
 
-__all__ = ["check_against_oracle", "make_case", "oracle", "run_case"]
+def inference_is_training_forward(case, monkeypatch):
+    """Assert that the inference forward (no autograd: g = m / max(n, eps) formed inside the
+    compose kernel) is bitwise the training forward (g divided by torch), through
+    ``dora_linear`` and through ``dora_from_base``, and that the inference calls took that path."""
+    from doracheck.autograd import dora_from_base
+    from doracheck.kernels import ops
+
+    calls = []
+    real = ops.compose_infer_
+    monkeypatch.setattr(ops, "compose_infer_", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():  # a magnitude far from ||W||, so g is not near 1
+        magnitude = case.magnitude * 1.37
+    args = (case.weight, case.lora_A, case.lora_B, magnitude, case.scaling, case.bias)
+    m_train = magnitude.clone().requires_grad_()
+    y_train = doracheck.dora_linear(case.x, *args[:3], m_train, *args[4:])
+    with torch.no_grad():
+        y_infer = doracheck.dora_linear(case.x, *args)
+    base = torch.nn.functional.linear(case.x, case.weight, case.bias)
+    r_train = dora_from_base(case.x, base.clone(), case.weight, case.lora_A, case.lora_B, m_train, case.bias, case.scaling)
+    with torch.no_grad():
+        r_infer = dora_from_base(case.x, base.clone(), case.weight, case.lora_A, case.lora_B, magnitude, case.bias, case.scaling)
+    assert y_train.requires_grad and not y_infer.requires_grad and not r_infer.requires_grad
+    assert torch.equal(y_train.detach(), y_infer)
+    assert torch.equal(r_train.detach(), r_infer)
+    assert len(calls) == 2, "the inference calls did not form g in the kernel"
+
+
+__all__ = ["check_against_oracle", "inference_is_training_forward", "make_case", "oracle", "run_case"]

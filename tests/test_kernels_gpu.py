@@ -16,7 +16,7 @@ from doracheck.reference import norm_terms_ref, rel_l2
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-from kernel_cases import check_against_oracle, make_case, run_case  # noqa: E402
+from kernel_cases import check_against_oracle, inference_is_training_forward, make_case, run_case  # noqa: E402
 
 DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float16), (torch.float32, torch.float32)]
 SHAPES = [(4096, 4096, 16, 512), (1000, 3000, 100, (3, 77)), (4099, 1031, 384, 257), (64, 8192, 1024, 1)]
@@ -32,6 +32,25 @@ def test_forward_backward_within_budget(shape, dtype, adapter_dtype):
     d_out, d_in, r, t = shape
     case = make_case(d_out, d_in, r, t, dtype, adapter_dtype=adapter_dtype, seed=r, device="cuda")
     check_against_oracle(case, dtype)
+
+
+@pytest.mark.parametrize("dtype,adapter_dtype", DTYPES, ids=ids)
+def test_token_chunked_backward_within_budget(dtype, adapter_dtype):
+    """T·d_out large enough for the backward to run over token chunks (dz·B, dB and the LoRA
+    half of dx then come from dy and g over all tokens; dB from an fp32 cuBLAS output)."""
+    from doracheck.kernels.settings import backward_token_chunk
+
+    d_out, d_in, r, t = 4096, 2048, 64, 2600
+    assert backward_token_chunk(t, d_out, dtype.itemsize) < t
+    case = make_case(d_out, d_in, r, t, dtype, adapter_dtype=adapter_dtype, seed=5, device="cuda")
+    check_against_oracle(case, dtype)
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("dtype,adapter_dtype", DTYPES, ids=ids)
+def test_inference_forward_is_bitwise_the_training_forward(monkeypatch, dtype, adapter_dtype, with_bias):
+    case = make_case(4099, 1031, 96, 67, dtype, adapter_dtype=adapter_dtype, seed=8, device="cuda", with_bias=with_bias)
+    inference_is_training_forward(case, monkeypatch)
 
 
 @pytest.mark.parametrize("fan_in_fan_out", [False, True])

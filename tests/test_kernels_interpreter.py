@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 )
 triton = pytest.importorskip("triton")
 
-from kernel_cases import check_against_oracle, make_case  # noqa: E402
+from kernel_cases import check_against_oracle, inference_is_training_forward, make_case  # noqa: E402
 
 from doracheck.kernels import compose_triton, norm_triton  # noqa: E402
 
@@ -175,6 +175,22 @@ def test_chunked_backward_equals_one_chunk(monkeypatch, path):
     assert torch.equal(y1, y2)
     for a, b in zip(g1, g2):
         assert rel_l2(b, a) < 1e-6
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize(
+    "dtype,adapter_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)],
+    ids=["fp32", "bf16_fp32_adapters", "bf16"],
+)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+def test_inference_forward_is_bitwise_the_training_forward(monkeypatch, dtype, adapter_dtype, with_bias):
+    """Without autograd the compose kernel forms g = m / max(n, eps) itself (one host op fewer);
+    that must be bitwise the g that torch divides in training, through ``dora_linear`` and
+    through ``dora_from_base`` (the PEFT integration's path, which rewrites the base output)."""
+    case = make_case(21, 26, 5, 9, dtype, adapter_dtype=adapter_dtype, seed=17, with_bias=with_bias)
+    with use_path("triton"):
+        inference_is_training_forward(case, monkeypatch)
+    check_against_oracle(case, dtype)
 
 
 @pytest.mark.interpreter
