@@ -34,7 +34,7 @@ _stats = {"hits": 0, "misses": 0}
 
 
 def _fingerprint(t: torch.Tensor):
-    return (id(t), t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+    return (id(t), t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device)
 
 
 def _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude):
@@ -61,15 +61,28 @@ def _fsdp_state_class():
     return None
 
 
+_STATE_MAPPING: list = []
+
+
+def _state_mapping():
+    """torch.distributed's registry of composable-API module states (imported once), or None."""
+    if not _STATE_MAPPING:
+        try:
+            from torch.distributed._composable_state import _module_state_mapping
+        except ImportError:
+            _module_state_mapping = None
+        _STATE_MAPPING.append(_module_state_mapping)
+    return _STATE_MAPPING[0]
+
+
 def fsdp_active() -> bool:
     """True once any module in this process is managed by FSDP2 (``fully_shard``); it stays
     True. Re-checked only when the registry of composable-API states changes (its size or its
     newest entry), which is O(1) in every forward."""
     if _fsdp_seen["active"]:
         return True
-    try:
-        from torch.distributed._composable_state import _module_state_mapping
-    except ImportError:  # a build without torch.distributed
+    _module_state_mapping = _state_mapping()
+    if _module_state_mapping is None:  # a build without torch.distributed
         return False
     data = getattr(_module_state_mapping, "data", None)  # the WeakKeyDictionary's dict, insertion-ordered
     newest = next(reversed(data), None) if data else None

@@ -67,6 +67,31 @@ def _require_same_device(tensors: dict[str, torch.Tensor]) -> None:
             raise ValueError(f"{name}: expected device {ref.device} (the device of {ref_name}), got {t.device}")
 
 
+def _plainly_valid(x, weight, lora_A, lora_B, magnitude, scaling, bias, dropout_p, fan_in_fan_out) -> bool:
+    """The common call, checked in one expression (it runs every forward: on a slow host the
+    step-by-step checks below cost tens of µs). False sends the call through those checks,
+    which find the problem and name it; so this may be strict, never lenient."""
+    T = torch.Tensor
+    F = FLOAT_DTYPES
+    if not (isinstance(x, T) and isinstance(weight, T) and isinstance(lora_A, T) and isinstance(lora_B, T)
+            and isinstance(magnitude, T) and (bias is None or isinstance(bias, T))):
+        return False
+    if weight.dim() != 2 or lora_A.dim() != 2 or x.dim() < 1:
+        return False
+    d_out, d_in = weight.shape[::-1] if fan_in_fan_out else weight.shape
+    r = lora_A.shape[0]
+    dev = weight.device
+    return (
+        x.dtype in F and weight.dtype in F and lora_A.dtype in F and lora_B.dtype in F and magnitude.dtype in F
+        and r >= 1 and lora_A.shape[1] == d_in and lora_B.shape == (d_out, r) and x.shape[-1] == d_in
+        and magnitude.shape == (d_out,)
+        and x.device == dev and lora_A.device == dev and lora_B.device == dev and magnitude.device == dev
+        and (bias is None or (bias.dtype in F and bias.shape == (d_out,) and bias.device == dev))
+        and type(scaling) in (float, int) and math.isfinite(scaling) and type(dropout_p) in (float, int)
+        and 0.0 <= dropout_p < 1.0
+    )
+
+
 def check_dora_inputs(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -81,6 +106,9 @@ def check_dora_inputs(
     dropout_mask: torch.Tensor | None = None,
 ) -> DoraDims:
     """All of ``dora_linear``'s arguments; raises ValueError naming the offending one."""
+    if dropout_mask is None and _plainly_valid(x, weight, lora_A, lora_B, magnitude, scaling, bias, dropout_p, fan_in_fan_out):
+        d_out, d_in = weight.shape[::-1] if fan_in_fan_out else weight.shape
+        return DoraDims(d_in, d_out, lora_A.shape[0])
     _require_tensor("x", x)
     dims = check_weights(weight, lora_A, lora_B, fan_in_fan_out=fan_in_fan_out)
     if x.dim() < 1 or x.shape[-1] != dims.d_in:
