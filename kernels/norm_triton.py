@@ -10,7 +10,11 @@ Kernels:
   partial Σ_{j in cols} C[rows, j]·acc[rows, j] to ``part[pn, rows]``; with COMPUTE_BASE the
   pn = 0 programs also store Σ_k X[rows, k]². Launched as (X, Y, C) = (W, A, B) for base and
   cross, then (B, G, B) for lora. Partials are summed afterwards in a fixed order.
-- ``_gram_kernel``: split-K partials of G = A·Aᵀ, (SPLIT, r, r) fp32, summed in a fixed order.
+  With N_SUB = 3 one program covers three BLOCK_N-wide column tiles from one load of each X tile
+  (r = 384 as 3 × 128 columns, where one 256-wide tile pair would pad it to 512).
+- ``_gram_kernel``: split-K partials of G = A·Aᵀ, (SPLIT, r, r) fp32, summed in a fixed order
+  (16-bit A on CUDA: cuBLAS's fp32-output GEMM instead, see ``gram_triton``).
+- ``_norm_finish_kernel``: sums the partials in a fixed order and combines the terms into n.
 No atomics anywhere: the norm is bitwise deterministic.
 
 Precision: 16-bit X run on bf16/fp16 tensor cores with fp32 accumulation. A Y of another dtype
@@ -32,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .norm_torch import FactoredNorm, combine_terms
+from .norm_torch import FactoredNorm
 from .settings import gram_config, rowdot_config
 from .triton_common import dot_acc, interpreting, launcher
 
@@ -74,6 +78,48 @@ def _tile_dot(
 
 
 @triton.jit
+def _tile_dot_sub(
+    x_ptr, stride_xm, stride_xk, y_ptr, stride_yn, stride_yk, rows, cols0, M, N, K,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, N_SUB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """(acc0, acc1, acc2, sq): acc_i = X[rows]·Y[cols0 + i·BLOCK_N + (0..BLOCK_N)]ᵀ for the
+    first N_SUB (2 or 3) sub-tiles, from one load of each X tile (an N of 384 is covered by three
+    128-wide tiles, not padded to 512), and sq = Σ_k X[rows, k]². Y is X's dtype (no split)."""
+    kk = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    cols1 = cols0 + BLOCK_N
+    cols2 = cols1 + BLOCK_N
+    acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        k_ok = k < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        xf = x.to(tl.float32)
+        sq += tl.sum(xf * xf, axis=1)
+        xd = x.to(DOT_DTYPE)
+        y0 = tl.load(y_ptr + cols0[:, None] * stride_yn + k[None, :] * stride_yk, mask=(cols0 < N)[:, None] & k_ok[None, :], other=0.0)
+        acc0 = dot_acc(xd, tl.trans(y0.to(DOT_DTYPE)), acc0, INTERPRET, PRECISION)
+        y1 = tl.load(y_ptr + cols1[:, None] * stride_yn + k[None, :] * stride_yk, mask=(cols1 < N)[:, None] & k_ok[None, :], other=0.0)
+        acc1 = dot_acc(xd, tl.trans(y1.to(DOT_DTYPE)), acc1, INTERPRET, PRECISION)
+        if N_SUB > 2:
+            y2 = tl.load(y_ptr + cols2[:, None] * stride_yn + k[None, :] * stride_yk, mask=(cols2 < N)[:, None] & k_ok[None, :], other=0.0)
+            acc2 = dot_acc(xd, tl.trans(y2.to(DOT_DTYPE)), acc2, INTERPRET, PRECISION)
+    return acc0, acc1, acc2, sq
+
+
+@triton.jit
+def _rowdot_store(part_ptr, stride_pn, slot, c_ptr, stride_cm, stride_cn, rows, cols, acc, M, N):
+    """part[slot, rows] = Σ_{j in cols} C[rows, j]·acc[rows, j]."""
+    row_ok = rows < M
+    c = tl.load(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, mask=row_ok[:, None] & (cols < N)[None, :], other=0.0)
+    tl.store(part_ptr + slot * stride_pn + rows, tl.sum(c.to(tl.float32) * acc, axis=1), mask=row_ok)
+
+
+@triton.jit
 def _rowdot_kernel(
     part_ptr, stride_pn,  # out: (n_tiles_n, M) fp32 partials of Σ_j C⊙(X·Yᵀ)
     sq_ptr,  # out (COMPUTE_BASE): (M,) fp32 Σ_k X²
@@ -82,23 +128,65 @@ def _rowdot_kernel(
     c_ptr, stride_cm, stride_cn,  # C (M, N)
     M, N, K,
     DOT_DTYPE: tl.constexpr, SPLIT_LO: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-    COMPUTE_BASE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    COMPUTE_BASE: tl.constexpr, N_SUB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """part[pn, i] = Σ_{j in tile pn} C_ij·(X·Yᵀ)_ij; sq[i] = Σ_k X_ik² (from the pn = 0 programs)."""
+    """part[pn·N_SUB + i, rows] = Σ_{j in sub-tile i of tile pn} C_ij·(X·Yᵀ)_ij; sq[i] = Σ_k X_ik²
+    (from the pn = 0 programs). N_SUB > 1 (no split of Y): one program covers N_SUB tiles of
+    BLOCK_N columns from one load of each X tile."""
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_n * (BLOCK_N * N_SUB) + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     with_sq = COMPUTE_BASE and pid_n == 0
-    acc, sq = _tile_dot(
-        x_ptr, stride_xm, stride_xk, y_ptr, stride_yn, stride_yk, rows, cols, M, N, 0, K,
-        DOT_DTYPE, SPLIT_LO, PRECISION, INTERPRET, COMPUTE_BASE, BLOCK_M, BLOCK_N, BLOCK_K,
-    )
-    c = tl.load(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, mask=row_ok[:, None] & (cols < N)[None, :], other=0.0)
-    tl.store(part_ptr + pid_n * stride_pn + rows, tl.sum(c.to(tl.float32) * acc, axis=1), mask=row_ok)
+    if N_SUB == 1:
+        acc, sq = _tile_dot(
+            x_ptr, stride_xm, stride_xk, y_ptr, stride_yn, stride_yk, rows, cols, M, N, 0, K,
+            DOT_DTYPE, SPLIT_LO, PRECISION, INTERPRET, COMPUTE_BASE, BLOCK_M, BLOCK_N, BLOCK_K,
+        )
+        _rowdot_store(part_ptr, stride_pn, pid_n, c_ptr, stride_cm, stride_cn, rows, cols, acc, M, N)
+    else:
+        acc0, acc1, acc2, sq = _tile_dot_sub(
+            x_ptr, stride_xm, stride_xk, y_ptr, stride_yn, stride_yk, rows, cols, M, N, K,
+            DOT_DTYPE, PRECISION, INTERPRET, N_SUB, BLOCK_M, BLOCK_N, BLOCK_K,
+        )
+        slot = pid_n * N_SUB
+        _rowdot_store(part_ptr, stride_pn, slot, c_ptr, stride_cm, stride_cn, rows, cols, acc0, M, N)
+        _rowdot_store(part_ptr, stride_pn, slot + 1, c_ptr, stride_cm, stride_cn, rows, cols + BLOCK_N, acc1, M, N)
+        if N_SUB > 2:
+            _rowdot_store(part_ptr, stride_pn, slot + 2, c_ptr, stride_cm, stride_cn, rows, cols + 2 * BLOCK_N, acc2, M, N)
     if with_sq:
         tl.store(sq_ptr + rows, sq, mask=row_ok)
+
+
+@triton.jit
+def _norm_finish_kernel(
+    base_ptr, cross_ptr, lora_ptr, norm_ptr,  # out: (M,) fp32 each
+    cross_part_ptr, stride_cp, n_cross,  # (n_cross, M) fp32 partials of the cross term
+    sq_ptr,  # (M,) fp32 base term
+    lora_part_ptr, stride_lp, n_lora,  # (n_lora, M) fp32 partials of the lora term
+    M, scaling,
+    BLOCK: tl.constexpr,
+):
+    """cross = Σ_p cross_part[p] and lora = Σ_p lora_part[p] (p in order: deterministic);
+    base = sq; norm = sqrt(max(base + 2s·cross + s²·lora, 0)) (NaN propagates), all fp32."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < M
+    s = tl.cast(scaling, tl.float32)
+    cross = tl.zeros((BLOCK,), dtype=tl.float32)
+    for p in range(0, n_cross):
+        cross += tl.load(cross_part_ptr + p * stride_cp + rows, mask=ok, other=0.0)
+    lora = tl.zeros((BLOCK,), dtype=tl.float32)
+    for p in range(0, n_lora):
+        lora += tl.load(lora_part_ptr + p * stride_lp + rows, mask=ok, other=0.0)
+    base = tl.load(sq_ptr + rows, mask=ok, other=0.0)
+    squared = base + (2.0 * s) * cross + (s * s) * lora
+    squared = tl.where(squared < 0.0, 0.0, squared)  # rounding below 0 where W cancels s·B·A; NaN stays
+    tl.store(base_ptr + rows, base, mask=ok)
+    tl.store(cross_ptr + rows, cross, mask=ok)
+    tl.store(lora_ptr + rows, lora, mask=ok)
+    tl.store(norm_ptr + rows, tl.sqrt_rn(squared), mask=ok)
 
 
 @triton.jit
@@ -133,9 +221,19 @@ def _dot_setup(x_dtype: torch.dtype, y_dtype: torch.dtype, pieces: int = 2):
     return _TL_DTYPE[x_dtype], (pieces if y_dtype != x_dtype else 1), "ieee"
 
 
+_HAS_MM_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+
+
 def gram_triton(lora_A: torch.Tensor) -> torch.Tensor:
     """G = A·Aᵀ in fp32 (r, r), deterministic split-K: exact products for 16-bit A
-    (tensor cores, fp32 accumulation), tf32x3 for fp32 A."""
+    (tensor cores, fp32 accumulation), tf32x3 for fp32 A.
+
+    16-bit A on CUDA goes to cuBLAS instead, through its fp32-output GEMM (``aten::mm.dtype``,
+    torch >= 2.8): the same exact products and fp32 accumulation, one op instead of three, and
+    faster (H200, r = 384, d_in = 8192: 9.5 µs against 17.0 µs for this kernel, GPU time from
+    graph replays; benchmarks/results/kernels_h200.csv). cuBLAS is deterministic on one stream."""
+    if lora_A.is_cuda and lora_A.dtype in (torch.bfloat16, torch.float16) and _HAS_MM_DTYPE:
+        return torch.mm(lora_A, lora_A.t(), out_dtype=torch.float32)
     r, d_in = lora_A.shape
     dot_dtype, split_lo, precision = _dot_setup(lora_A.dtype, lora_A.dtype)
     cfg = gram_config(r, d_in)
@@ -160,14 +258,26 @@ def rowdot_triton(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(Σ_j C⊙(X·Yᵀ) per row, Σ_k X² per row or None), fp32, for X (M, K) read through
     ``x_strides``; an fp32 Y is split into ``pieces`` 16-bit pieces when X is 16-bit."""
+    part, sq = rowdot_parts(X, x_strides, Y, C, compute_base=compute_base, pieces=pieces)
+    return (part.sum(0) if part.shape[0] > 1 else part[0]), sq
+
+
+def rowdot_parts(
+    X: torch.Tensor, x_strides, Y: torch.Tensor, C: torch.Tensor, *, compute_base: bool, pieces: int = 2
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``rowdot_triton`` before its last step: the (column tiles, M) fp32 partials unsummed."""
     M, N = C.shape
     K = Y.shape[1]
     dot_dtype, split_lo, precision = _dot_setup(X.dtype, Y.dtype, pieces)
     cfg = rowdot_config(M, N, K, X.dtype, split_lo)
-    n_tiles = triton.cdiv(N, cfg.block_n) if N else 1
-    part = torch.zeros(n_tiles, M, dtype=torch.float32, device=X.device)
-    sq = torch.zeros(M, dtype=torch.float32, device=X.device) if compute_base else None
-    if M > 0 and N > 0:
+    n_sub = cfg.n_sub if split_lo == 1 else 1
+    n_tiles = triton.cdiv(N, cfg.block_n * n_sub) if N else 1
+    launch = M > 0 and N > 0
+    # Every partial (and sq) is written by the kernel; zeros only when nothing is launched.
+    alloc = torch.empty if launch else torch.zeros
+    part = alloc(n_tiles * n_sub, M, dtype=torch.float32, device=X.device)
+    sq = alloc(M, dtype=torch.float32, device=X.device) if compute_base else None
+    if launch:
         grid = (triton.cdiv(M, cfg.block_m), n_tiles)
         # Without the base term the kernel never writes sq_ptr, but it still gets a buffer of its
         # own: passing ``part`` twice (two pointer arguments aliasing one tensor) made Inductor
@@ -181,10 +291,28 @@ def rowdot_triton(
             C, C.stride(0), C.stride(1),
             M, N, K,
             DOT_DTYPE=dot_dtype, SPLIT_LO=split_lo, PRECISION=precision, INTERPRET=interpreting(),
-            COMPUTE_BASE=compute_base, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            COMPUTE_BASE=compute_base, N_SUB=n_sub, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    return (part.sum(0) if n_tiles > 1 else part[0]), sq
+    return part, sq
+
+
+def norm_finish(cross_part: torch.Tensor, sq: torch.Tensor, lora_part: torch.Tensor, scaling: float):
+    """(base, cross, lora, norm), fp32 (M,) each, from the row-dot partials: one launch for the
+    two ordered sums and ``combine_terms`` (which took six ops on the host)."""
+    M = sq.shape[0]
+    base, cross, lora, norm = (torch.empty(M, dtype=torch.float32, device=sq.device) for _ in range(4))
+    if M:
+        block = 1024 if not interpreting() else 32
+        launcher(_norm_finish_kernel)[(triton.cdiv(M, block),)](
+            base, cross, lora, norm,
+            cross_part, cross_part.stride(0), cross_part.shape[0],
+            sq,
+            lora_part, lora_part.stride(0), lora_part.shape[0],
+            M, float(scaling),
+            BLOCK=block, num_warps=4,
+        )
+    return base, cross, lora, norm
 
 
 def factored_norm_triton(
@@ -202,13 +330,13 @@ def factored_norm_triton(
     else:
         strides = (weight.stride(0), weight.stride(1))
     G = gram_triton(lora_A)
-    cross, base_or_none = rowdot_triton(weight, strides, lora_A, lora_B, compute_base=True)
-    assert base_or_none is not None  # compute_base=True always returns the base term
-    base = base_or_none
+    cross_part, sq = rowdot_parts(weight, strides, lora_A, lora_B, compute_base=True)
+    assert sq is not None  # compute_base=True always returns the base term
     # lora_i = Σ_j B_ij·(B·G)_ij: the same kernel with X = B (dots in W's 16-bit dtype when B
     # is an exact 16-bit adapter; tf32x3 for fp32 B), Y = G (split hi + lo), C = B.
     # fp16 B would split G into fp16 pieces, which overflow once ||A_i||² > 65504: use B in fp32
     # (tf32x3; this GEMM has K = r, so it is cheap) unless B is bf16, whose range is fp32's.
     B_dot = lora_B if lora_B.dtype != torch.float16 else lora_B.float()
-    lora, _ = rowdot_triton(B_dot, (B_dot.stride(0), B_dot.stride(1)), G, B_dot, compute_base=False, pieces=3)
-    return FactoredNorm(base, cross, lora, combine_terms(base, cross, lora, scaling), None, G)
+    lora_part, _ = rowdot_parts(B_dot, (B_dot.stride(0), B_dot.stride(1)), G, B_dot, compute_base=False, pieces=3)
+    base, cross, lora, norm = norm_finish(cross_part, sq, lora_part, scaling)
+    return FactoredNorm(base, cross, lora, norm, None, G)

@@ -36,6 +36,7 @@ class RowdotConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    n_sub: int = 1  # BLOCK_N-wide column tiles per program, from one load of each X tile
 
 
 class GramConfig(NamedTuple):
@@ -61,6 +62,11 @@ class GradConfig(NamedTuple):
     num_warps: int
 
 
+# 256 < N <= 384 (r = 384 is common): three 128-wide column tiles per program instead of one
+# 256-wide tile padded to 512 (a third of its MMA work wasted).
+ROWDOT_N384 = (64, 128, 64, 4, 3, 3)
+
+
 def rowdot_config(M: int, N: int, K: int, x_dtype, split_lo: int) -> RowdotConfig:
     """Tiles of the norm GEMMs (X·Yᵀ with a row-reduction epilogue).
 
@@ -69,7 +75,10 @@ def rowdot_config(M: int, N: int, K: int, x_dtype, split_lo: int) -> RowdotConfi
     150.1 µs; 64×256×64 (4 warps): 166.0 µs; BLOCK_K = 128: 132.0 µs.
     """
     if _interpreting():
-        return RowdotConfig(16, 16, 16, 1, 1)
+        # Three 16-wide sub-tiles where N needs exactly that, so CI runs the sub-tiled kernel too.
+        return RowdotConfig(16, 16, 16, 1, 1, 3 if (split_lo == 1 and 32 < N <= 48) else 1)
+    if split_lo == 1 and 256 < N <= 384:
+        return RowdotConfig(*ROWDOT_N384)
     block_n = _pow2_at_least(N, 16, 256)
     stages = 3 if (block_n >= 256 or split_lo > 1 or x_dtype.itemsize == 4) else 4
     block_k = 32 if x_dtype.itemsize == 4 else 64
@@ -120,10 +129,10 @@ def backward_token_chunk(T: int, d_out: int, itemsize: int) -> int:
 
 def triton_norm_memory_bound(d_out: int, d_in: int, r: int, lora_B_dtype: torch.dtype | None = None) -> int:
     """Bytes the Triton factored norm allocates: the Gram partials (splits, r, r) and G, the
-    per-column-tile partials of cross and lora (2 × n_tiles × d_out) and the four term vectors;
+    per-column-tile partials of cross and lora (2 × n_tiles × d_out), Σ W² and the four term vectors;
     plus an fp32 copy of B (d_out × r) when B is fp16 (the lora term's GEMM runs on it, since
     fp16 pieces of G would overflow; norm_triton.factored_norm_triton)."""
     cfg = gram_config(r, d_in)
-    n_tiles = -(-r // 256) if r else 1
+    n_tiles = -(-r // 128) + 1 if r else 1  # partial rows per term: at most this, any config above
     b_copy = d_out * r if lora_B_dtype == torch.float16 else 0
-    return 4 * (r * r * (cfg.splits + 1) + d_out * (2 * n_tiles + 4) + b_copy)
+    return 4 * (r * r * (cfg.splits + 1) + d_out * (2 * n_tiles + 5) + b_copy)

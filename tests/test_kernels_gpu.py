@@ -53,11 +53,12 @@ def test_inference_forward_is_bitwise_the_training_forward(monkeypatch, dtype, a
     inference_is_training_forward(case, monkeypatch)
 
 
+@pytest.mark.parametrize("r", [200, 384], ids=["r200", "r384_three_subtiles"])
 @pytest.mark.parametrize("fan_in_fan_out", [False, True])
 @pytest.mark.parametrize("dtype,adapter_dtype", DTYPES, ids=ids)
-def test_factored_norm_within_budget(dtype, adapter_dtype, fan_in_fan_out):
+def test_factored_norm_within_budget(dtype, adapter_dtype, fan_in_fan_out, r):
     gen = torch.Generator().manual_seed(1)
-    d_out, d_in, r = 2051, 4093, 200
+    d_out, d_in = 2051, 4093
     W = (torch.randn(d_out, d_in, generator=gen) / d_in**0.5).to("cuda", dtype)
     A = (torch.randn(r, d_in, generator=gen) / d_in**0.5).to("cuda", adapter_dtype)
     B = (torch.randn(d_out, r, generator=gen) / r**0.5).to("cuda", adapter_dtype)

@@ -48,9 +48,11 @@ def test_dora_linear_triton_path_matches_oracle(shape, dtype, adapter_dtype):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("fan_in_fan_out", [False, True])
 @pytest.mark.parametrize("dtype,adapter_dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
-def test_factored_norm_kernel_terms(dtype, adapter_dtype, fan_in_fan_out):
+@pytest.mark.parametrize("r", [19, 40], ids=["r19", "r40_three_subtiles"])
+def test_factored_norm_kernel_terms(dtype, adapter_dtype, fan_in_fan_out, r):
+    """r = 40 runs the row-dot kernel with three 16-wide sub-tiles per program (interpreter blocks)."""
     gen = torch.Generator().manual_seed(3)
-    d_out, d_in, r = 37, 45, 19
+    d_out, d_in = 37, 45
     W = torch.randn(d_out, d_in, generator=gen).to(dtype)
     A = (torch.randn(r, d_in, generator=gen) * 0.1).to(adapter_dtype)
     B = torch.randn(d_out, r, generator=gen).to(adapter_dtype)
