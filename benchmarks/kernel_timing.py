@@ -25,9 +25,12 @@ COMPOSE_CANDIDATES = ((64, 128, 64, 4, 3), (128, 128, 32, 8, 3), (128, 128, 64, 
                       (64, 256, 64, 8, 3), (128, 64, 64, 4, 3), (128, 128, 64, 4, 4))
 # (block_m, block_n, block_k, warps, stages, n_sub): the 128×256 padded tile, then three 128-wide
 # sub-tiles per program (r = 384).
-ROWDOT_CANDIDATES = ((128, 256, 64, 8, 3, 1), (64, 128, 64, 4, 3, 3), (64, 128, 64, 4, 4, 3), (64, 128, 64, 8, 3, 3),
-                     (64, 128, 64, 8, 4, 3), (128, 128, 64, 8, 3, 3), (128, 128, 64, 8, 2, 3), (64, 128, 128, 8, 2, 3),
-                     (128, 128, 32, 8, 3, 3), (64, 128, 32, 4, 4, 3))
+# (block_m, block_n, block_k, warps, stages, n_sub, split_k): the 128×256 tile (r = 384 padded to
+# 512), 128-wide tiles (no padding), three 128-wide sub-tiles per program, and K split in 2 or 3.
+ROWDOT_CANDIDATES = ((128, 256, 64, 8, 3, 1, 1), (128, 256, 64, 8, 3, 1, 2), (128, 128, 64, 8, 3, 1, 1),
+                     (128, 128, 64, 8, 3, 1, 2), (128, 128, 64, 8, 4, 1, 2), (128, 128, 64, 4, 4, 1, 2),
+                     (128, 128, 64, 8, 3, 1, 3), (256, 128, 64, 8, 3, 1, 2), (64, 128, 64, 4, 3, 3, 1),
+                     (64, 128, 64, 4, 3, 3, 2), (64, 128, 64, 8, 3, 3, 2), (128, 128, 64, 8, 2, 3, 1))
 GRAD_CANDIDATES = ((32, 256, 4), (64, 128, 8), (64, 256, 8), (128, 256, 8), (16, 512, 4), (32, 512, 8), (8, 1024, 4))
 
 
@@ -97,8 +100,8 @@ def main(argv=None):
     A = (torch.randn(r, d_in, device="cuda") / 90).to(torch.bfloat16)
     B = (torch.randn(d_out, r, device="cuda") / 20).to(torch.bfloat16)
     orig = nt.rowdot_config
-    for bm, bn, bk, warps, stages, n_sub in ROWDOT_CANDIDATES:
-        cfg = settings.RowdotConfig(bm, bn, bk, warps, stages, n_sub)
+    for candidate in ROWDOT_CANDIDATES:
+        cfg = settings.RowdotConfig(*candidate)
         nt.rowdot_config = lambda *a_, _c=cfg: _c
         try:
             times = bench(lambda: nt.rowdot_triton(W, W.stride(), A, B, compute_base=True))

@@ -79,7 +79,7 @@ def _tile_dot(
 
 @triton.jit
 def _tile_dot_sub(
-    x_ptr, stride_xm, stride_xk, y_ptr, stride_yn, stride_yk, rows, cols0, M, N, K,
+    x_ptr, stride_xm, stride_xk, y_ptr, stride_yn, stride_yk, rows, cols0, M, N, k_start, k_stop,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, N_SUB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -94,9 +94,9 @@ def _tile_dot_sub(
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_stop, BLOCK_K):
         k = k0 + kk
-        k_ok = k < K
+        k_ok = k < k_stop
         x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         xf = x.to(tl.float32)
         sq += tl.sum(xf * xf, axis=1)
@@ -121,56 +121,60 @@ def _rowdot_store(part_ptr, stride_pn, slot, c_ptr, stride_cm, stride_cn, rows, 
 
 @triton.jit
 def _rowdot_kernel(
-    part_ptr, stride_pn,  # out: (n_tiles_n, M) fp32 partials of Σ_j C⊙(X·Yᵀ)
-    sq_ptr,  # out (COMPUTE_BASE): (M,) fp32 Σ_k X²
+    part_ptr, stride_pn,  # out: (SPLIT_K · n_slots, M) fp32 partials of Σ_j C⊙(X·Yᵀ)
+    sq_ptr, stride_sq,  # out (COMPUTE_BASE): (SPLIT_K, M) fp32 partials of Σ_k X²
     x_ptr, stride_xm, stride_xk,  # X (M, K)
     y_ptr, stride_yn, stride_yk,  # Y (N, K)
     c_ptr, stride_cm, stride_cn,  # C (M, N)
-    M, N, K,
+    M, N, K, k_per_split, n_slots,
     DOT_DTYPE: tl.constexpr, SPLIT_LO: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     COMPUTE_BASE: tl.constexpr, N_SUB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """part[pn·N_SUB + i, rows] = Σ_{j in sub-tile i of tile pn} C_ij·(X·Yᵀ)_ij; sq[i] = Σ_k X_ik²
-    (from the pn = 0 programs). N_SUB > 1 (no split of Y): one program covers N_SUB tiles of
-    BLOCK_N columns from one load of each X tile."""
+    """part[ks·n_slots + pn·N_SUB + i, rows] = Σ_{j in sub-tile i of tile pn} C_ij·(X·Yᵀ)_ij over
+    the ks-th range of k (split K, program axis 2); sq[ks, i] = Σ_{k in that range} X_ik² (from
+    the pn = 0 programs). N_SUB > 1 (no split of Y): one program covers N_SUB tiles of BLOCK_N
+    columns from one load of each X tile."""
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
+    pid_k = tl.program_id(2).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * (BLOCK_N * N_SUB) + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     with_sq = COMPUTE_BASE and pid_n == 0
+    k_start = pid_k * k_per_split
+    k_stop = tl.minimum(k_start + k_per_split, K)
     if N_SUB == 1:
         acc, sq = _tile_dot(
-            x_ptr, stride_xm, stride_xk, y_ptr, stride_yn, stride_yk, rows, cols, M, N, 0, K,
+            x_ptr, stride_xm, stride_xk, y_ptr, stride_yn, stride_yk, rows, cols, M, N, k_start, k_stop,
             DOT_DTYPE, SPLIT_LO, PRECISION, INTERPRET, COMPUTE_BASE, BLOCK_M, BLOCK_N, BLOCK_K,
         )
-        _rowdot_store(part_ptr, stride_pn, pid_n, c_ptr, stride_cm, stride_cn, rows, cols, acc, M, N)
+        _rowdot_store(part_ptr, stride_pn, pid_k * n_slots + pid_n, c_ptr, stride_cm, stride_cn, rows, cols, acc, M, N)
     else:
         acc0, acc1, acc2, sq = _tile_dot_sub(
-            x_ptr, stride_xm, stride_xk, y_ptr, stride_yn, stride_yk, rows, cols, M, N, K,
+            x_ptr, stride_xm, stride_xk, y_ptr, stride_yn, stride_yk, rows, cols, M, N, k_start, k_stop,
             DOT_DTYPE, PRECISION, INTERPRET, N_SUB, BLOCK_M, BLOCK_N, BLOCK_K,
         )
-        slot = pid_n * N_SUB
+        slot = pid_k * n_slots + pid_n * N_SUB
         _rowdot_store(part_ptr, stride_pn, slot, c_ptr, stride_cm, stride_cn, rows, cols, acc0, M, N)
         _rowdot_store(part_ptr, stride_pn, slot + 1, c_ptr, stride_cm, stride_cn, rows, cols + BLOCK_N, acc1, M, N)
         if N_SUB > 2:
             _rowdot_store(part_ptr, stride_pn, slot + 2, c_ptr, stride_cm, stride_cn, rows, cols + 2 * BLOCK_N, acc2, M, N)
     if with_sq:
-        tl.store(sq_ptr + rows, sq, mask=row_ok)
+        tl.store(sq_ptr + pid_k * stride_sq + rows, sq, mask=row_ok)
 
 
 @triton.jit
 def _norm_finish_kernel(
     base_ptr, cross_ptr, lora_ptr, norm_ptr,  # out: (M,) fp32 each
     cross_part_ptr, stride_cp, n_cross,  # (n_cross, M) fp32 partials of the cross term
-    sq_ptr,  # (M,) fp32 base term
+    sq_ptr, stride_sp, n_sq,  # (n_sq, M) fp32 partials of the base term
     lora_part_ptr, stride_lp, n_lora,  # (n_lora, M) fp32 partials of the lora term
     M, scaling,
     BLOCK: tl.constexpr,
 ):
-    """cross = Σ_p cross_part[p] and lora = Σ_p lora_part[p] (p in order: deterministic);
-    base = sq; norm = sqrt(max(base + 2s·cross + s²·lora, 0)) (NaN propagates), all fp32."""
+    """base = Σ_p sq[p], cross = Σ_p cross_part[p], lora = Σ_p lora_part[p] (p in order:
+    deterministic); norm = sqrt(max(base + 2s·cross + s²·lora, 0)) (NaN propagates), all fp32."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < M
     s = tl.cast(scaling, tl.float32)
@@ -180,7 +184,9 @@ def _norm_finish_kernel(
     lora = tl.zeros((BLOCK,), dtype=tl.float32)
     for p in range(0, n_lora):
         lora += tl.load(lora_part_ptr + p * stride_lp + rows, mask=ok, other=0.0)
-    base = tl.load(sq_ptr + rows, mask=ok, other=0.0)
+    base = tl.zeros((BLOCK,), dtype=tl.float32)
+    for p in range(0, n_sq):
+        base += tl.load(sq_ptr + p * stride_sp + rows, mask=ok, other=0.0)
     squared = base + (2.0 * s) * cross + (s * s) * lora
     squared = tl.where(squared < 0.0, 0.0, squared)  # rounding below 0 where W cancels s·B·A; NaN stays
     tl.store(base_ptr + rows, base, mask=ok)
@@ -259,37 +265,40 @@ def rowdot_triton(
     """(Σ_j C⊙(X·Yᵀ) per row, Σ_k X² per row or None), fp32, for X (M, K) read through
     ``x_strides``; an fp32 Y is split into ``pieces`` 16-bit pieces when X is 16-bit."""
     part, sq = rowdot_parts(X, x_strides, Y, C, compute_base=compute_base, pieces=pieces)
-    return (part.sum(0) if part.shape[0] > 1 else part[0]), sq
+    return (part.sum(0) if part.shape[0] > 1 else part[0]), (None if sq is None else sq.sum(0) if sq.shape[0] > 1 else sq[0])
 
 
 def rowdot_parts(
     X: torch.Tensor, x_strides, Y: torch.Tensor, C: torch.Tensor, *, compute_base: bool, pieces: int = 2
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``rowdot_triton`` before its last step: the (column tiles, M) fp32 partials unsummed."""
+    """``rowdot_triton`` before its last step: the fp32 partials unsummed, (split K × column
+    tiles, M), and Σ X² as (split K, M) partials or None."""
     M, N = C.shape
     K = Y.shape[1]
     dot_dtype, split_lo, precision = _dot_setup(X.dtype, Y.dtype, pieces)
     cfg = rowdot_config(M, N, K, X.dtype, split_lo)
     n_sub = cfg.n_sub if split_lo == 1 else 1
     n_tiles = triton.cdiv(N, cfg.block_n * n_sub) if N else 1
+    k_per_split = triton.cdiv(triton.cdiv(max(K, 1), cfg.split_k), cfg.block_k) * cfg.block_k
+    splits = max(1, triton.cdiv(K, k_per_split))
     launch = M > 0 and N > 0
     # Every partial (and sq) is written by the kernel; zeros only when nothing is launched.
     alloc = torch.empty if launch else torch.zeros
-    part = alloc(n_tiles * n_sub, M, dtype=torch.float32, device=X.device)
-    sq = alloc(M, dtype=torch.float32, device=X.device) if compute_base else None
+    part = alloc(splits * n_tiles * n_sub, M, dtype=torch.float32, device=X.device)
+    sq = alloc(splits, M, dtype=torch.float32, device=X.device) if compute_base else None
     if launch:
-        grid = (triton.cdiv(M, cfg.block_m), n_tiles)
+        grid = (triton.cdiv(M, cfg.block_m), n_tiles, splits)
         # Without the base term the kernel never writes sq_ptr, but it still gets a buffer of its
         # own: passing ``part`` twice (two pointer arguments aliasing one tensor) made Inductor
         # return a lora term of zeros under torch.compile (benchmarks/compile_diag.py, H200,
         # torch 2.11: factored_norm's lora output rel_l2 1.0 against eager).
-        sq_arg = sq if sq is not None else torch.empty(1, dtype=torch.float32, device=X.device)
+        sq_arg = sq if sq is not None else torch.empty(1, 1, dtype=torch.float32, device=X.device)
         launcher(_rowdot_kernel)[grid](
-            part, part.stride(0), sq_arg,
+            part, part.stride(0), sq_arg, sq_arg.stride(0),
             X, x_strides[0], x_strides[1],
             Y, Y.stride(0), Y.stride(1),
             C, C.stride(0), C.stride(1),
-            M, N, K,
+            M, N, K, k_per_split, n_tiles * n_sub,
             DOT_DTYPE=dot_dtype, SPLIT_LO=split_lo, PRECISION=precision, INTERPRET=interpreting(),
             COMPUTE_BASE=compute_base, N_SUB=n_sub, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -298,16 +307,16 @@ def rowdot_parts(
 
 
 def norm_finish(cross_part: torch.Tensor, sq: torch.Tensor, lora_part: torch.Tensor, scaling: float):
-    """(base, cross, lora, norm), fp32 (M,) each, from the row-dot partials: one launch for the
-    two ordered sums and ``combine_terms`` (which took six ops on the host)."""
-    M = sq.shape[0]
+    """(base, cross, lora, norm), fp32 (M,) each, from the row-dot partials (``sq``: (splits, M)):
+    one launch for the ordered sums and ``combine_terms`` (which took six ops on the host)."""
+    M = sq.shape[1]
     base, cross, lora, norm = (torch.empty(M, dtype=torch.float32, device=sq.device) for _ in range(4))
     if M:
         block = 1024 if not interpreting() else 32
         launcher(_norm_finish_kernel)[(triton.cdiv(M, block),)](
             base, cross, lora, norm,
             cross_part, cross_part.stride(0), cross_part.shape[0],
-            sq,
+            sq, sq.stride(0), sq.shape[0],
             lora_part, lora_part.stride(0), lora_part.shape[0],
             M, float(scaling),
             BLOCK=block, num_warps=4,

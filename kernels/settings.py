@@ -37,6 +37,7 @@ class RowdotConfig(NamedTuple):
     num_warps: int
     num_stages: int
     n_sub: int = 1  # BLOCK_N-wide column tiles per program, from one load of each X tile
+    split_k: int = 1  # programs along K (partials summed in order afterwards)
 
 
 class GramConfig(NamedTuple):
@@ -64,7 +65,7 @@ class GradConfig(NamedTuple):
 
 # 256 < N <= 384 (r = 384 is common): three 128-wide column tiles per program instead of one
 # 256-wide tile padded to 512 (a third of its MMA work wasted).
-ROWDOT_N384 = (64, 128, 64, 4, 3, 3)
+ROWDOT_N384 = (128, 256, 64, 8, 3, 1, 1)
 
 
 def rowdot_config(M: int, N: int, K: int, x_dtype, split_lo: int) -> RowdotConfig:
@@ -76,8 +77,9 @@ def rowdot_config(M: int, N: int, K: int, x_dtype, split_lo: int) -> RowdotConfi
     """
     if _interpreting():
         # Three 16-wide sub-tiles where N needs exactly that, so CI runs the sub-tiled kernel too.
-        return RowdotConfig(16, 16, 16, 1, 1, 3 if (split_lo == 1 and 32 < N <= 48) else 1)
-    if split_lo == 1 and 256 < N <= 384:
+        # And K split in two past 32, so CI runs the split-K partials.
+        return RowdotConfig(16, 16, 16, 1, 1, 3 if (split_lo == 1 and 32 < N <= 48) else 1, 2 if K > 32 else 1)
+    if split_lo == 1 and x_dtype.itemsize == 2 and 256 < N <= 384:
         return RowdotConfig(*ROWDOT_N384)
     block_n = _pow2_at_least(N, 16, 256)
     stages = 3 if (block_n >= 256 or split_lo > 1 or x_dtype.itemsize == 4) else 4
