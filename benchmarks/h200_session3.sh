@@ -21,11 +21,12 @@ if [ "${1:-1}" = 1 ]; then
   wait
   tail -n 3 "$R/gpu_tests.log"; tail -n 4 "$R/memcheck.log"; head -n 8 "$R/cpu_overhead.log"
 else
-  step pytest_n_auto 240 $PY -m pytest -n auto -q -p no:cacheprovider -rs
+  step pytest_n_auto 220 $PY -m pytest -n auto -q -p no:cacheprovider -rs
   (
     export CUDA_VISIBLE_DEVICES=0
     step verify 80 $PY -m doracheck verify --quick
     step shard_cost 60 $PY benchmarks/fsdp_norm_shard_cost.py --world 2
+    step kernel_timing 120 $PY benchmarks/kernel_timing.py --csv "$R/kernels_h200.csv"
   ) &
   (
     export CUDA_VISIBLE_DEVICES=1

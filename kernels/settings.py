@@ -63,9 +63,13 @@ class GradConfig(NamedTuple):
     num_warps: int
 
 
-# 256 < N <= 384 (r = 384 is common): three 128-wide column tiles per program instead of one
-# 256-wide tile padded to 512 (a third of its MMA work wasted).
-ROWDOT_N384 = (128, 256, 64, 8, 3, 1, 1)
+# 256 < N <= 384 (r = 384 is common), 16-bit: three 128-wide column tiles per program (no padding
+# of 384 to 512) and K split in two. H200, 8192×8192, r = 384, bf16, GPU time from graph
+# replays (benchmarks/kernel_timing.py, results/kernels_h200.csv, 2026-11-29): 132.7 µs (388
+# TFLOP/s) against 136.1 µs for the padded 128×256 tile (134.7 µs in a second row of the same
+# run: the gain is 2%); 128×128 tiles 163.6 µs, split in two 145.8; 64-row sub-tiled with 4 warps
+# 239.7; 128-row sub-tiled (register-bound) 268.8.
+ROWDOT_N384 = (64, 128, 64, 8, 3, 3, 2)
 
 
 def rowdot_config(M: int, N: int, K: int, x_dtype, split_lo: int) -> RowdotConfig:
