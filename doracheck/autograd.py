@@ -41,23 +41,19 @@ are summed once, in order, at the end. With dropout, dz·B and dB are accumulate
 Rows with n < eps (g = m/eps, up to 1e12) get dz saturated at the dtype's largest finite
 value instead of inf, so zero rows of W and B contribute 0 rather than inf·0 = NaN (fp16).
 Without autograd (no_grad, or nothing requires grad) the forward runs without an
-autograd.Function and computes nothing that only the backward needs (no z with a bias). On the
-Triton path it then lets the compose kernel form g = m / max(n, eps) itself, and with at most
-``DECODE_MAX_TOKENS`` tokens in 16 bits runs x·Wᵀ, the up-projection and the compose as one
-kernel (x·Wᵀ kept in fp32 there, not rounded before the compose), after one cuBLAS op for x·Aᵀ.
+autograd.Function and computes nothing that only the backward needs (no z with a bias).
 """
 
 from __future__ import annotations
 
 import torch
 
-from doracheck.kernels.settings import DECODE_MAX_TOKENS, NORM_CHUNK_BYTES, backward_token_chunk
+from doracheck.kernels.settings import NORM_CHUNK_BYTES, backward_token_chunk
 
 from . import norm_cache, planner
 from .dispatch import choose_path, factored_norm_full
 
 EPS = 1e-12
-_DECODE_DTYPES = (torch.bfloat16, torch.float16)
 _DM_PARTS_BYTES = 4 * 2**20  # dm partials kept over token chunks before they are folded into one row
 
 
@@ -168,6 +164,8 @@ def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p
     cd = x.dtype
     d_in = x.shape[-1]
     x2 = x.reshape(-1, d_in)
+    W = _rows(weight, fan_in_fan_out)
+    W = W if W.dtype == cd else W.to(cd)
     A = lora_A if lora_A.dtype == cd else lora_A.to(cd)
     triton_path = _use_triton(x, weight, lora_A, lora_B, magnitude, bias)
     # Inference on the Triton path (no dropout, nothing saved): g = m / n is formed in the kernel.
@@ -176,11 +174,6 @@ def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p
         weight, lora_A, lora_B, magnitude, s, fan_in_fan_out, detach_norm, "triton" if triton_path else "torch",
         need_g=not g_in_kernel,
     )
-    if g_in_kernel and cd in _DECODE_DTYPES and 0 < x2.shape[0] <= DECODE_MAX_TOKENS:
-        # Few tokens (decode): base GEMV, up-projection and compose in one kernel, W read as stored.
-        return ops.decode_infer(x2, _rows(weight, fan_in_fan_out), A, lora_B, magnitude, n_safe, bias, s), {}
-    W = _rows(weight, fan_in_fan_out)
-    W = W if W.dtype == cd else W.to(cd)
     n = fn.norm
 
     keep = None

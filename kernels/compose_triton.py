@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .settings import compose_config, decode_config, grad_config
+from .settings import compose_config, grad_config
 from .triton_common import dot_acc, interpreting, launcher, round_to
 
 EPS = 1e-12
@@ -85,84 +85,6 @@ def _lora_up_compose_kernel(
     tl.store(y_ptr + rows[:, None] * stride_yt + cols[None, :] * stride_yd, round_to(y, y_ptr.dtype.element_ty, INTERPRET), mask=mask)
     if WRITE_Z:
         tl.store(z_ptr + rows[:, None] * stride_zt + cols[None, :] * stride_zd, round_to(z, z_ptr.dtype.element_ty, INTERPRET), mask=mask)
-
-
-@triton.jit
-def _decode_dora_kernel(
-    y_ptr, stride_yt, stride_yd,  # out: (T, d_out)
-    x_ptr, stride_xt, stride_xk,  # x (T, d_in)
-    w_ptr, stride_wn, stride_wk,  # W as (d_out, d_in), through strides (fan_in_fan_out too)
-    xa_ptr, stride_at, stride_ar,  # x·Aᵀ (T, r)
-    lb_ptr, stride_lm, stride_lr,  # B (d_out, r)
-    m_ptr, nsafe_ptr, bias_ptr,  # magnitude m, max(n, eps) fp32, bias (d_out,)
-    T, d_out, d_in, r, scaling,
-    HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    """Few tokens, no autograd: y = b + g⊙(x·Wᵀ + s·xa·Bᵀ), g = m / max(n, eps), in one kernel.
-
-    base = x·Wᵀ is accumulated in fp32 here and never rounded before the compose (the GEMM of
-    the other path rounds it to the activation dtype first), so y is as accurate or better; it
-    is rounded once. A program owns BLOCK_N output features and reads their rows of W once:
-    memory-bound like the GEMV it replaces, and one launch fewer for the host to issue."""
-    pid_n = tl.program_id(0).to(tl.int64)
-    pid_m = tl.program_id(1).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < T
-    col_ok = cols < d_out
-    kk = tl.arange(0, BLOCK_K)
-    base = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, d_in, BLOCK_K):
-        k = k0 + kk
-        k_ok = k < d_in
-        x = tl.load(x_ptr + rows[:, None] * stride_xt + k[None, :] * stride_xk, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + cols[:, None] * stride_wn + k[None, :] * stride_wk, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        base = dot_acc(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), base, INTERPRET, "ieee")
-    rr = tl.arange(0, BLOCK_R)
-    lora = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, r, BLOCK_R):
-        j = r0 + rr
-        j_ok = j < r
-        xa = tl.load(xa_ptr + rows[:, None] * stride_at + j[None, :] * stride_ar, mask=row_ok[:, None] & j_ok[None, :], other=0.0)
-        lb = tl.load(lb_ptr + cols[:, None] * stride_lm + j[None, :] * stride_lr, mask=col_ok[:, None] & j_ok[None, :], other=0.0)
-        lora = dot_acc(xa.to(DOT_DTYPE), tl.trans(lb.to(DOT_DTYPE)), lora, INTERPRET, "ieee")
-    m = tl.load(m_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    g = tl.math.div_rn(m, tl.load(nsafe_ptr + cols, mask=col_ok, other=1.0).to(tl.float32))[None, :]
-    y = g * (base + tl.cast(scaling, tl.float32) * lora)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    mask = row_ok[:, None] & col_ok[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_yt + cols[None, :] * stride_yd, round_to(y, y_ptr.dtype.element_ty, INTERPRET), mask=mask)
-
-
-def decode_dora_triton(
-    x: torch.Tensor, w_rows: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor, magnitude: torch.Tensor,
-    n_safe: torch.Tensor, bias: torch.Tensor | None, scaling: float,
-) -> torch.Tensor:
-    """y (T, d_out) in x.dtype for few tokens (``settings.DECODE_MAX_TOKENS``), 16-bit x: the base
-    GEMV, the up-projection and the stable compose in one kernel (``_decode_dora_kernel``).
-    ``w_rows`` is W as a (d_out, d_in) view (any strides, any float dtype: cast in registers)."""
-    T, d_in = x.shape
-    d_out, r = lora_B.shape
-    y = torch.empty(T, d_out, dtype=x.dtype, device=x.device)
-    if T == 0 or d_out == 0:
-        return y
-    cfg = decode_config(T, d_out, d_in, r)
-    grid = (triton.cdiv(d_out, cfg.block_n), triton.cdiv(T, cfg.block_m))
-    launcher(_decode_dora_kernel)[grid](
-        y, y.stride(0), y.stride(1),
-        x, x.stride(0), x.stride(1),
-        w_rows, w_rows.stride(0), w_rows.stride(1),
-        xa, xa.stride(0), xa.stride(1),
-        lora_B, lora_B.stride(0), lora_B.stride(1),
-        magnitude, n_safe, bias if bias is not None else n_safe,
-        T, d_out, d_in, r, float(scaling),
-        HAS_BIAS=bias is not None, DOT_DTYPE=_TL_DTYPE[x.dtype], INTERPRET=interpreting(),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return y
 
 
 @triton.jit

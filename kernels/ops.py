@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.library import triton_op
 
-from .compose_triton import decode_dora_triton, grad_scale_dm_triton, lora_up_compose_triton
+from .compose_triton import grad_scale_dm_triton, lora_up_compose_triton
 from .norm_triton import factored_norm_triton
 from .triton_common import tracing
 
@@ -135,20 +135,6 @@ def compose_infer_(
         return torch.ops.doracheck.lora_up_compose(base, xa, lora_B, g, bias, scaling)
     lora_up_compose_triton(base, xa, lora_B, magnitude, scaling, bias, out=base, base_has_bias=base_has_bias, n_safe=n_safe)
     return base
-
-
-def decode_infer(
-    x: torch.Tensor, w_rows: torch.Tensor, A: torch.Tensor, lora_B: torch.Tensor, magnitude: torch.Tensor,
-    n_safe: torch.Tensor, bias: torch.Tensor | None, scaling: float,
-) -> torch.Tensor:
-    """Inference with few tokens: y = b + g⊙(x·Wᵀ + s·(x·Aᵀ)·Bᵀ) from one cuBLAS op (x·Aᵀ) and one
-    kernel (compose_triton.decode_dora_triton). While tracing: the GEMMs in torch and the
-    functional compose op (base rounded to x's dtype first, as the other path does)."""
-    xa = x @ A.t()
-    if tracing():
-        g = torch.div(magnitude, n_safe)
-        return torch.ops.doracheck.lora_up_compose(x @ w_rows.t().to(x.dtype), xa, lora_B, g, bias, scaling)
-    return decode_dora_triton(x, w_rows, xa, lora_B, magnitude, n_safe, bias, scaling)
 
 
 def call(name: str, *args):

@@ -110,30 +110,6 @@ def compose_config(T: int, d_out: int, r: int) -> ComposeConfig:
     return ComposeConfig(64, 128, block_k, 8, 4, 3)
 
 
-class DecodeConfig(NamedTuple):
-    block_m: int
-    block_n: int
-    block_k: int
-    block_r: int
-    num_warps: int
-    num_stages: int
-
-
-# Inference with at most this many tokens (16-bit activations) runs the base GEMV, the
-# up-projection and the compose as one kernel (compose_triton.decode_dora_triton): on the H200
-# host each launch or torch op costs 25-70 µs of CPU, more than the GPU work at T = 1.
-DECODE_MAX_TOKENS = 16
-
-
-def decode_config(T: int, d_out: int, d_in: int, r: int) -> DecodeConfig:
-    """Tiles of the decode kernel: 16 token rows (tl.dot's smallest M), and BLOCK_N small enough
-    that the d_out/BLOCK_N programs fill the 132 SMs of an H200 (each streams its rows of W)."""
-    if _interpreting():
-        return DecodeConfig(16, 16, 16, 16, 1, 1)
-    block_n = 64 if d_out >= 64 * 132 else 32
-    return DecodeConfig(16, block_n, 128, 64, 4, 4)
-
-
 def grad_config(T: int, d_out: int) -> GradConfig:
     if _interpreting():
         return GradConfig(16, 16, 1)

@@ -53,21 +53,6 @@ def test_inference_forward_is_bitwise_the_training_forward(monkeypatch, dtype, a
     inference_is_training_forward(case, monkeypatch)
 
 
-@pytest.mark.parametrize(
-    "shape,fan_in_fan_out",
-    [((8192, 8192, 384, 1), False), ((14336, 4096, 384, 16), False), ((4096, 14336, 384, (2, 3)), True), ((1000, 3000, 100, 5), False)],
-    ids=str,
-)
-@pytest.mark.parametrize("dtype,adapter_dtype", DTYPES[:3], ids=ids)
-def test_decode_kernel_within_budget(monkeypatch, shape, fan_in_fan_out, dtype, adapter_dtype):
-    """Inference with at most 16 tokens: the one-kernel decode path (16-bit activations)."""
-    from kernel_cases import decode_matches_oracle
-
-    d_out, d_in, r, t = shape
-    case = make_case(d_out, d_in, r, t, dtype, adapter_dtype=adapter_dtype, seed=9, device="cuda")
-    decode_matches_oracle(case, monkeypatch, fan_in_fan_out=fan_in_fan_out)
-
-
 @pytest.mark.parametrize("r", [200, 384], ids=["r200", "r384_three_subtiles"])
 @pytest.mark.parametrize("fan_in_fan_out", [False, True])
 @pytest.mark.parametrize("dtype,adapter_dtype", DTYPES, ids=ids)
