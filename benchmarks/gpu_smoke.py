@@ -39,6 +39,10 @@ for d_out, d_in, r, T in shapes:
             yr = dora_forward_ref(xs[0], Ws, xs[1], xs[2], xs[3], 2.0, xs[4], **kw)
             grr = torch.autograd.grad(yr, xs, dy.double())
             nn_ = doracheck.factored_norm(Ws, A, B, 2.0, fan_in_fan_out=fan)
+            with torch.no_grad():  # inference: g = m / max(n, eps) formed in the compose kernel
+                yi = doracheck.dora_linear(x, Ws, A, B, m, 2.0, b, fan_in_fan_out=fan)
+                yi_ref = dora_forward_ref(xs[0], Ws, xs[1], xs[2], xs[3], 2.0, xs[4], fan_in_fan_out=fan)
             torch.cuda.synchronize()
             print(f"{d_out}x{d_in} r{r} T{T} {dt} A:{adt} fan={fan} p={p}: norm {rel_l2(nn_, n):.1e} y {rel_l2(y, yr):.1e} "
+                  f"y_infer {rel_l2(yi, yi_ref):.1e} "
                   + " ".join(f"{k}{rel_l2(a, c):.1e}" for k, a, c in zip(("dx", "dA", "dB", "dm", "db"), gr, grr)))

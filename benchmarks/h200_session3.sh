@@ -6,7 +6,19 @@
 # the row-shard norm measurement and FSDP2 timing (issue 8).
 set -u
 source benchmarks/h200_common.sh
-if [ "${1:-1}" = 1 ]; then
+if [ "${1:-1}" = 3 ]; then  # with a one-kernel decode path (measured slower, reverted): layer benchmark, gpu tests, memcheck
+  step bench_layer 150 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/bench_layer.py --csv "$R/layer_h200.csv"
+  (
+    export CUDA_VISIBLE_DEVICES=0
+    step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 3 $PY benchmarks/gpu_smoke.py --small
+  ) &
+  (
+    export CUDA_VISIBLE_DEVICES=1
+    step gpu_tests 200 env DORACHECK_RECORD_ERRORS="$R/errors" $PY -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_kernels_gpu.py
+  ) &
+  wait
+  tail -n 3 "$R/gpu_tests.log"; tail -n 3 "$R/memcheck.log"; grep -E "^8192x8192 r384 T1 |^8192x8192 r384 T4096" "$R/bench_layer.log"
+elif [ "${1:-1}" = 1 ]; then
   step cpu_overhead 60 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/cpu_overhead.py 8192 384
   step bench_layer 150 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/bench_layer.py --csv "$R/layer_h200.csv"
   (

@@ -63,28 +63,27 @@ class GradConfig(NamedTuple):
     num_warps: int
 
 
-# 256 < N <= 384 (r = 384 is common), 16-bit: three 128-wide column tiles per program (no padding
-# of 384 to 512) and K split in two. H200, 8192×8192, r = 384, bf16, GPU time from graph
-# replays (benchmarks/kernel_timing.py, results/kernels_h200.csv, 2026-11-29): 132.7 µs (388
-# TFLOP/s) against 136.1 µs for the padded 128×256 tile (134.7 µs in a second row of the same
-# run: the gain is 2%); 128×128 tiles 163.6 µs, split in two 145.8; 64-row sub-tiled with 4 warps
-# 239.7; 128-row sub-tiled (register-bound) 268.8.
-ROWDOT_N384 = (64, 128, 64, 8, 3, 3, 2)
+# Sub-tiled and split-K row-dot configs (RowdotConfig.n_sub, .split_k) for 256 < N <= 384, H200,
+# 8192×8192, r = 384, bf16, GPU time from graph replays (benchmarks/kernel_timing.py, 2026-11-29):
+# three 128-wide sub-tiles with K split in two, 64×128×64, 8 warps, 3 stages: 132.7 µs; the padded
+# 128×256 tile used below: 134.6-136.1 µs in the same runs (a 2% difference, within the spread);
+# 128×128 tiles 163.6 µs (split in two: 145.8); 64-row sub-tiles with 4 warps 239.7; 128-row
+# sub-tiles (register-bound) 268.8. Not adopted: the gain is noise and that path has not run
+# under compute-sanitizer on the GPU. CI runs both variants under the interpreter.
 
 
 def rowdot_config(M: int, N: int, K: int, x_dtype, split_lo: int) -> RowdotConfig:
     """Tiles of the norm GEMMs (X·Yᵀ with a row-reduction epilogue).
 
-    H200, M = K = 8192, N = 384, bf16 (benchmarks/norm_variants.py, 2026-11-29): 128×256×64,
-    8 warps, 3 stages: 104.6 µs (493 TFLOP/s); 128×128×64: 112.2 µs; 128×64×64 (4 warps):
-    150.1 µs; 64×256×64 (4 warps): 166.0 µs; BLOCK_K = 128: 132.0 µs.
+    H200, M = K = 8192, N = 384, bf16, GPU time from CUDA-graph replays (benchmarks/kernel_timing.py,
+    results/kernels_h200.csv, 2026-11-29): 128×256×64, 8 warps, 3 stages: 134.6-136.1 µs (382
+    TFLOP/s of useful work; N is padded to 512); 128×128×64 (8 warps): 163.6; 128×128×128: 176.8;
+    256×128×64: 166.6; 128×64×64 (4 warps): 252.6. The sub-tiled variants are in the comment above.
     """
     if _interpreting():
         # Three 16-wide sub-tiles where N needs exactly that, so CI runs the sub-tiled kernel too.
         # And K split in two past 32, so CI runs the split-K partials.
         return RowdotConfig(16, 16, 16, 1, 1, 3 if (split_lo == 1 and 32 < N <= 48) else 1, 2 if K > 32 else 1)
-    if split_lo == 1 and x_dtype.itemsize == 2 and 256 < N <= 384:
-        return RowdotConfig(*ROWDOT_N384)
     block_n = _pow2_at_least(N, 16, 256)
     stages = 3 if (block_n >= 256 or split_lo > 1 or x_dtype.itemsize == 4) else 4
     block_k = 32 if x_dtype.itemsize == 4 else 64

@@ -236,3 +236,10 @@ def test_torch_compile_matches_eager_on_the_triton_ops(with_bias):
     assert rel_l2(y_c, y_e) < 1e-2
     for name, a, b in zip(("dx", "dA", "dB", "dm"), g_c, g_e):
         assert rel_l2(a, b) < 2e-2, name
+    # Inference (no autograd: g formed in the compose kernel in eager; traced: the functional op).
+    with torch.no_grad():
+        torch._dynamo.reset()
+        y_ci = torch.compile(f, fullgraph=True)(*(t.detach() for t in leaves))
+        y_ei = f(*(t.detach() for t in leaves))
+    assert torch.equal(y_ei, y_e.detach())
+    assert rel_l2(y_ci, y_ei) < 1e-2
