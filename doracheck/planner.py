@@ -166,7 +166,8 @@ def predict_ms(v: Variant, d_in: int, d_out: int, r: int, tokens: int, dtype: to
     """Predicted ms of one call (forward, or forward + backward when ``training``): the larger
     of the GPU time (a roofline per kernel plus a fixed cost) and the host time to issue it."""
     T, isz, fp32 = tokens, torch.empty((), dtype=dtype).element_size(), dtype in (torch.float32, torch.float64)
-    gpu, ops, bwd_ops = 0.0, 4, 0  # forward: g = m/n, reshape, the autograd node
+    # forward: g = m/n (inside the compose kernel when nothing is saved), reshape, the autograd node
+    gpu, ops, bwd_ops = 0.0, (4 if training else 3), 0
     gpu += _gemm(T, d_out, d_in, isz, ceil, fp32)  # base = x·Wᵀ (or x·W'ᵀ)
     ops += 1
     if v.order == "merged":
