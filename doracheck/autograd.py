@@ -33,11 +33,12 @@ only, "merged" (W' = W + s·B·A formed in the forward and again in the backward
 the planner also decides whether the backward is chunked and whether xa is saved or recomputed.
 
 The backward runs over token chunks when dz (T×d_out) would be large (settings
-``backward_token_chunk``). Without dropout, what does not need dz itself is then formed once
-over all tokens from dy and g, which leaves two ops a chunk (the dz/dm pass, dx += dz·W) for
-the host to issue: dz·B = dy·(g⊙B) (T×r), dB = s·diag(g)·(dyᵀ·xa) (an fp32 GEMM output on
-CUDA, scaled and rounded once), dx = s·(dz·B)·A to start from. The dm partials of all chunks
-are summed once, in order, at the end. With dropout, dz·B and dB are accumulated chunk by chunk.
+``backward_token_chunk``). Without dropout, in fp32, and in bf16 on CUDA, what does not need dz
+itself is then formed once over all tokens from dy and g, which leaves two ops a chunk (the
+dz/dm pass, dx += dz·W) for the host to issue: dz·B = dy·(g⊙B) (T×r), dB = s·diag(g)·(dyᵀ·xa)
+(an fp32 GEMM output, scaled and rounded once), dx = s·(dz·B)·A to start from. Otherwise (fp16,
+whose range g⊙B can exceed; 16-bit off CUDA; dropout) dz·B and dB are accumulated chunk by
+chunk from dz. The dm partials of all chunks are summed once, in order, at the end.
 Rows with n < eps (g = m/eps, up to 1e12) get dz saturated at the dtype's largest finite
 value instead of inf, so zero rows of W and B contribute 0 rather than inf·0 = NaN (fp16).
 Without autograd (no_grad, or nothing requires grad) the forward runs without an
@@ -103,15 +104,21 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
     return torch.addmm(_zero_scalar(a), a, b, beta=0, alpha=s)
 
 
+_HAS_MM_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+
+
+def _fp32_out_gemm(t: torch.Tensor) -> bool:
+    """Whether a 16-bit GEMM on ``t``'s device can write its fp32 accumulator as fp32 (cuBLAS,
+    ``aten::mm.dtype``, torch >= 2.8)."""
+    return t.device.type == "cuda" and _HAS_MM_DTYPE
+
+
 def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a·b with the fp32 accumulator written as fp32 where cuBLAS offers that GEMM (CUDA,
-    ``aten::mm.dtype``, torch >= 2.8), so nothing is rounded to 16 bits; elsewhere a·b in a's dtype."""
-    if a.dtype in (torch.float16, torch.bfloat16) and a.device.type == "cuda" and _HAS_MM_DTYPE:
+    """a·b with the fp32 accumulator written as fp32 for 16-bit a, b (callers check
+    ``_fp32_out_gemm``), so nothing is rounded to 16 bits; fp32 a·b as it is."""
+    if a.dtype in (torch.float16, torch.bfloat16):
         return torch.mm(a, b, out_dtype=torch.float32)
     return a @ b
-
-
-_HAS_MM_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
 
 
 def _row_scaled_tmm(dy: torch.Tensor, xa: torch.Tensor, g: torch.Tensor, s: float, out_dtype: torch.dtype) -> torch.Tensor:
@@ -284,7 +291,10 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
     # Over several chunks without dropout, every product that does not need dz itself is formed
     # once over all tokens from dy and g (two ops a chunk are left: dz/dm and dx += dz·W):
     #   dz·B = dy·(g⊙B),   dB = s·diag(g)·(dyᵀ·xa),   dx = s·(dz·B)·A, then + dz·W per chunk.
-    prescaled = chunked and keep is None and Wm is None
+    # Only where that is safe in the compute dtype: fp32, or bf16 with an fp32 output for dyᵀ·xa
+    # (cuBLAS on CUDA). fp16 would overflow g⊙B to inf (g·|B| > 65504) where dz = g⊙dy stays
+    # finite, and a 16-bit dyᵀ·xa over all tokens overflows or underflows before g scales it.
+    prescaled = chunked and keep is None and Wm is None and (cd == torch.float32 or (cd == torch.bfloat16 and _fp32_out_gemm(x2)))
     dzB_all = None
     if prescaled:
         if need[0] or need[2]:

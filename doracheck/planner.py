@@ -189,7 +189,8 @@ def predict_ms(v: Variant, d_in: int, d_out: int, r: int, tokens: int, dtype: to
         gpu += _gemm(T, d_in, d_out, isz, ceil, fp32)  # dz·W (or dz·W')
         gpu += _gemm(d_out, r, T, isz, ceil, fp32)  # dB = s·dzᵀ·xa
         gpu += _gemm(r, d_in, T, isz, ceil, fp32)  # dA = s·(dz·B)ᵀ·x
-        if chunks > 1 and v.order == "factored":  # dz·B, dB and s·(dz·B)·A over all tokens; per chunk dz/dm, dx += dz·W
+        if chunks > 1 and v.order == "factored" and dtype != torch.float16:
+            # dz·B, dB and s·(dz·B)·A over all tokens; per chunk dz/dm, dx += dz·W (autograd.py)
             bwd_ops += 15 + 2 * chunks
         else:  # per chunk: dz/dm launch, dz·B, dz·W, addmm, dB GEMM + accumulate
             bwd_ops += 9 + 6 * chunks

@@ -133,6 +133,8 @@ def compose_infer_(
         if base_has_bias and bias is not None:
             return torch.ops.doracheck.lora_up_compose_save_z(base, xa, lora_B, g, bias, scaling, True)[0]
         return torch.ops.doracheck.lora_up_compose(base, xa, lora_B, g, bias, scaling)
+    if magnitude.stride(0) != 1:  # the kernel reads m with stride 1 (a strided view is valid input)
+        magnitude = magnitude.contiguous()
     lora_up_compose_triton(base, xa, lora_B, magnitude, scaling, bias, out=base, base_has_bias=base_has_bias, n_safe=n_safe)
     return base
 

@@ -200,8 +200,11 @@ def test_inference_forward_is_bitwise_the_training_forward(monkeypatch, dtype, a
 @pytest.mark.parametrize("dtype,adapter_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
 def test_chunked_backward_within_budget_in_16_bit(monkeypatch, path, dtype, adapter_dtype, with_bias):
-    """Over several token chunks, dz·B, dB and the LoRA half of dx are formed from dy and g over
-    all tokens (autograd.py); in 16-bit dtypes that must stay within the oracle budgets too."""
+    """The token-chunked backward in 16-bit dtypes stays within the oracle budgets. On the CPU
+    it accumulates dz·B and dB chunk by chunk (the products over all tokens from dy and g need
+    cuBLAS's fp32-output GEMM in bf16, and are never used in fp16: autograd.py);
+    tests/test_kernels_gpu.py::test_token_chunked_backward_within_budget covers bf16 on the GPU,
+    test_chunked_backward_equals_one_chunk covers fp32 here."""
     from doracheck.kernels import settings
 
     monkeypatch.setattr(settings, "BACKWARD_CHUNK_BYTES", 29 * 2 * 8)  # 8 tokens per chunk: 5 chunks

@@ -257,3 +257,69 @@ def test_timed_plans_are_keyed_by_dropout_and_norm_mode():
     with_dropout = plan(*shape, timed=True, device="cpu", dropout=True, measure=fake)
     without = plan(*shape, timed=True, device="cpu", dropout=False, measure=fake)
     assert with_dropout.variant.order == "factored" and without.variant.order == "merged"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_noncontiguous_magnitude_in_inference(path):
+    """Inference on the Triton path hands m to the compose kernel (which divides it by n); a
+    strided m used to be read as if contiguous, silently giving wrong outputs."""
+    from doracheck.autograd import dora_from_base
+
+    x, W, A, B, _ = _problem()
+    m_strided = (torch.rand(8, 2, generator=torch.Generator().manual_seed(3)) + 0.5)[:, 0]
+    assert m_strided.stride(0) != 1
+    base = torch.nn.functional.linear(x, W)
+    with use_path(path), torch.no_grad():
+        y = doracheck.dora_linear(x, W, A, B, m_strided, 2.0)
+        r = dora_from_base(x, base.clone(), W, A, B, m_strided, None, 2.0)
+    expected = dora_forward_ref(x, W, A, B, m_strided.contiguous(), 2.0)
+    assert rel_l2(y, expected) < 1e-6
+    assert rel_l2(r, expected) < 1e-6
+
+
+def _chunked_grads(monkeypatch, chunk_bytes, tensors, path, dy_value=1e-3):
+    from doracheck.kernels import settings
+
+    monkeypatch.setattr(settings, "BACKWARD_CHUNK_BYTES", chunk_bytes)
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    x, W, A, B, m = leaves
+    with use_path(path):
+        doracheck.dora_linear(x, W, A, B, m, 1.0).backward(torch.full((x.shape[0], W.shape[0]), dy_value, dtype=x.dtype))
+    return {name: t.grad for name, t in zip(("x", "W", "A", "B", "m"), leaves)}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_fp16_chunked_backward_stays_finite_where_g_times_B_exceeds_fp16(monkeypatch, path):
+    """Over token chunks the backward used to form g⊙B in fp16: with g = 200 and |B| = 400 that
+    is inf, and dx, dA came out NaN where the per-chunk dz = g⊙dy (and the unchunked path) stay
+    finite. fp16 now keeps the per-chunk products."""
+    gen = torch.Generator().manual_seed(5)
+    d_out, d_in, r, T = 8, 16, 2, 64
+    W = torch.randn(d_out, d_in, generator=gen) * 1e-3
+    A = torch.randn(r, d_in, generator=gen) * 1e-7
+    B = torch.randn(d_out, r, generator=gen) * 400
+    m = W.norm(dim=1) * 200
+    x = torch.randn(T, d_in, generator=gen)
+    tensors = [t.half() for t in (x, W, A, B, m)]
+    whole = _chunked_grads(monkeypatch, 1 << 30, tensors, path)
+    chunked = _chunked_grads(monkeypatch, d_out * 2 * 8, tensors, path)  # 8 tokens a chunk
+    for name in ("x", "A", "B", "m"):
+        assert bool(torch.isfinite(whole[name]).all()), name
+        assert bool(torch.isfinite(chunked[name]).all()), name
+        if name != "B":  # dB = s·dzᵀ·xa: xa (about 1e-7) is subnormal in fp16 here, so dB is rounding noise
+            assert rel_l2(chunked[name], whole[name]) < 1e-2, name
+
+
+def test_fp16_chunked_dB_on_the_cpu_is_not_rounded_before_g(monkeypatch):
+    """Without cuBLAS's fp32-output GEMM, dyᵀ·xa over all tokens used to be rounded to fp16
+    before g scaled it: 65536 overflowed to inf (g = 0.01 would have brought it to 655)."""
+    d_out, d_in, r, T = 4, 8, 2, 4096
+    W = torch.randn(d_out, d_in, generator=torch.Generator().manual_seed(6))
+    A = torch.full((r, d_in), 2.0)
+    B = torch.randn(d_out, r, generator=torch.Generator().manual_seed(7)) * 0.1
+    m = W.norm(dim=1) * 0.01
+    tensors = [t.half() for t in (torch.ones(T, d_in), W, A, B, m)]
+    whole = _chunked_grads(monkeypatch, 1 << 30, tensors, "torch", dy_value=1.0)
+    chunked = _chunked_grads(monkeypatch, 1024, tensors, "torch", dy_value=1.0)  # 128 tokens a chunk
+    assert bool(torch.isfinite(chunked["B"]).all())
+    assert rel_l2(chunked["B"], whole["B"]) < 1e-2
