@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from doracheck.kernels.settings import BACKWARD_CHUNK_BYTES
+from doracheck.kernels.settings import backward_token_chunk
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def extra_bytes(v: Variant, d_in: int, d_out: int, r: int, tokens: int, itemsize
     extra = d_out * d_in * itemsize if v.order == "merged" else 0
     if training:
         dz_whole = tokens * d_out * itemsize
-        extra += (dz_whole if not v.chunked else min(dz_whole, BACKWARD_CHUNK_BYTES))
+        extra += (dz_whole if not v.chunked else backward_token_chunk(tokens, d_out, itemsize) * d_out * itemsize)
         extra += tokens * r * itemsize if v.save_xa else 0
     return extra
 
@@ -137,6 +137,10 @@ def candidates(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype, t
     itemsize = torch.empty((), dtype=dtype).element_size()
     orders = ["factored"] + (["merged"] if dtype in (torch.float32, torch.float64) and not dropout and detach_norm else [])
     flags = [(True, True), (False, True), (True, False), (False, False)] if training else [(True, True)]
+    if training and backward_token_chunk(tokens, d_out, itemsize) >= tokens:
+        # dz fits in one chunk: "+whole" runs the very same program as the chunked default, so it
+        # is not a variant here (timing both would only pick between two samples of noise)
+        flags = [f for f in flags if f[0]]
     # The allowance covers everything the layer adds over nn.Linear; the adapter gradients and
     # their fp32 accumulators (and 4 MiB of small buffers) come out of it before any variant's own
     # extra. The default variant is always allowed (it is what the memory targets were measured on).
@@ -182,7 +186,7 @@ def predict_ms(v: Variant, d_in: int, d_out: int, r: int, tokens: int, dtype: to
         gpu += _gemm(T, d_out, r, isz, ceil, fp32) + _pass(2 * T * d_out * isz, ceil)  # fused up-projection + compose
         ops += 2
     if training:
-        step = T if not v.chunked else max(1, min(T, BACKWARD_CHUNK_BYTES // max(1, d_out * isz)))
+        step = T if not v.chunked else backward_token_chunk(T, d_out, isz)
         chunks = -(-T // step) if T else 0
         gpu += _pass(3 * T * d_out * isz, ceil) + chunks * ceil.kernel_s  # dz = g⊙dy, dm partials
         gpu += _gemm(T, r, d_out, isz, ceil, fp32)  # dz·B
@@ -205,11 +209,13 @@ def predict_ms(v: Variant, d_in: int, d_out: int, r: int, tokens: int, dtype: to
     return 1e3 * max(gpu, ops * ceil.host_fwd_op_s + bwd_ops * ceil.host_bwd_op_s)
 
 
-def measure_ms(v: Variant, d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype, training: bool,
-               device: torch.device | str = "cuda", reps: int = 20) -> float:
-    """Median ms of one call of ``dora_linear`` under variant ``v`` on random, non-zero data
-    (CUDA events on a GPU, perf_counter on the CPU); the norm cache is warm, as in a step."""
+def measure_variants(variants: list[Variant], d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype,
+                     training: bool, device: torch.device | str = "cuda", rounds: int = 15) -> dict[str, float]:
+    """Median ms of one call of ``dora_linear`` under each variant, measured side by side
+    (``timing.time_interleaved``: round-robin, back-to-back calls per sample) on one set of
+    random, non-zero inputs; the norm cache is warm, as in a step."""
     import doracheck
+    from doracheck.timing import quantile, time_interleaved
 
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(0)
@@ -220,26 +226,35 @@ def measure_ms(v: Variant, d_in: int, d_out: int, r: int, tokens: int, dtype: to
     x = torch.randn(tokens, d_in, generator=gen).to(dev, dtype).requires_grad_(training)
     dy = torch.randn(tokens, d_out, generator=gen).to(dev, dtype)
 
-    def call() -> None:
-        if training:
-            doracheck.dora_linear(x, W, A, B, m, 2.0).backward(dy)
-            for t in (x, A, B, m):
-                t.grad = None
-        else:
-            with torch.no_grad():
-                doracheck.dora_linear(x, W, A, B, m, 2.0)
+    def under(v: Variant) -> Callable[[], None]:
+        def call() -> None:
+            with use_variant(v):
+                if training:
+                    doracheck.dora_linear(x, W, A, B, m, 2.0).backward(dy)
+                    for t in (x, A, B, m):
+                        t.grad = None
+                else:
+                    with torch.no_grad():
+                        doracheck.dora_linear(x, W, A, B, m, 2.0)
+        return call
 
-    from doracheck.timing import quantile, time_ms
+    times = time_interleaved({v.name: under(v) for v in variants}, dev, rounds)
+    return {name: quantile(t, 0.5) for name, t in times.items()}
 
-    with use_variant(v):
-        return quantile(time_ms(call, dev, reps), 0.5)
+
+def measure_ms(v: Variant, d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype, training: bool,
+               device: torch.device | str = "cuda", rounds: int = 15) -> float:
+    """Median ms of one call of ``dora_linear`` under variant ``v`` (``measure_variants``)."""
+    return measure_variants([v], d_in, d_out, r, tokens, dtype, training, device, rounds)[v.name]
 
 
 def plan(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype = torch.bfloat16, training: bool = False, *,
          timed: bool = False, device: torch.device | str = "cuda", dropout: bool = False, detach_norm: bool = True,
-         ceilings: Ceilings = H200, measure: Callable[..., float] | None = None) -> Plan:
+         ceilings: Ceilings = H200, measure: Callable[..., dict[str, float]] | None = None) -> Plan:
     """The variant for a DoRA layer of this shape, with every candidate's predicted time
-    (and, with ``timed``, its measured time; measurements are cached per shape)."""
+    (and, with ``timed``, every candidate's measured time, side by side, once per shape and cached;
+    ``measure(candidates, d_in, d_out, r, tokens, dtype, training, device)`` -> {name: ms}
+    replaces ``measure_variants``)."""
     cands = candidates(d_in, d_out, r, tokens, dtype, training, dropout, detach_norm)
     predicted = {v.name: predict_ms(v, d_in, d_out, r, tokens, dtype, training, ceilings) for v in cands}
     if not timed:
@@ -247,8 +262,7 @@ def plan(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype = torch.
         return Plan(best, predicted, None, "cost model", cands)
     key = (d_in, d_out, r, tokens, dtype, training, dropout, detach_norm, str(device))
     if key not in _TIMED:
-        fn = measure or measure_ms
-        _TIMED[key] = {v.name: fn(v, d_in, d_out, r, tokens, dtype, training, device) for v in cands}
+        _TIMED[key] = (measure or measure_variants)(cands, d_in, d_out, r, tokens, dtype, training, device)
     measured = _TIMED[key]
     best = min(cands, key=lambda v: measured[v.name])
     return Plan(best, predicted, dict(measured), "timed", cands)
@@ -277,5 +291,5 @@ def choose(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype, train
     return v
 
 
-__all__ = ["DEFAULT", "H200", "Ceilings", "Plan", "Variant", "candidates", "choose", "measure_ms", "parse_variant",
+__all__ = ["DEFAULT", "H200", "Ceilings", "Plan", "Variant", "candidates", "choose", "measure_ms", "measure_variants", "parse_variant",
            "plan", "predict_ms", "use_variant"]

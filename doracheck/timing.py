@@ -3,8 +3,9 @@ host clock on a CPU), median and quantiles; inputs are the caller's (random, nev
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -35,3 +36,47 @@ def quantile(sorted_times: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(sorted_times) - 1)
     return sorted_times[lo] + (sorted_times[hi] - sorted_times[lo]) * (pos - lo)
+
+
+def time_interleaved(fns: Mapping[str, Callable[[], object]], device: torch.device | str, rounds: int = 15,
+                     warmup: int = 3, min_sample_ms: float = 2.0) -> dict[str, list[float]]:
+    """Sorted per-call ms for each named callable, measured side by side.
+
+    The callables run round-robin, the order rotating each round, so drift during the
+    measurement (clocks, the allocator's state, load on the host) falls on all of them alike
+    instead of on whichever ran first. Each of the ``rounds`` samples times ``k`` back-to-back
+    calls between two CUDA events (the host clock on a CPU) and divides by ``k``; ``k`` is
+    chosen from a warm call so that a sample lasts at least ``min_sample_ms``. Back-to-back calls
+    let the host run ahead of the GPU as it does between the layers of a model, so a
+    host-bound call is timed at its host cost and a GPU-bound one at its GPU time; one event
+    pair and one synchronisation per sample keep their own cost out of short calls."""
+    dev = torch.device(device)
+    names = list(fns)
+    calls_per_sample = {}
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+        one = _sample_ms(fns[name], dev, 1)
+        calls_per_sample[name] = max(1, min(64, math.ceil(min_sample_ms / max(one, 1e-3))))
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(rounds):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            k = calls_per_sample[name]
+            times[name].append(_sample_ms(fns[name], dev, k) / k)
+    return {name: sorted(t) for name, t in times.items()}
+
+
+def _sample_ms(fn: Callable[[], object], dev: torch.device, k: int) -> float:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(k):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    for _ in range(k):
+        fn()
+    return (time.perf_counter() - t0) * 1e3

@@ -56,9 +56,10 @@ def test_prediction_grows_with_work():
 def test_timed_plan_measures_each_candidate_once():
     calls = []
 
-    def fake_measure(v, *args):
-        calls.append(v.name)
-        return {"factored": 2.0, "merged": 1.0}[v.order] + (0.5 if not v.chunked else 0) + (0.25 if not v.save_xa else 0)
+    def fake_measure(variants, *args):
+        calls.extend(v.name for v in variants)
+        return {v.name: {"factored": 2.0, "merged": 1.0}[v.order] + (0.5 if not v.chunked else 0) + (0.25 if not v.save_xa else 0)
+                for v in variants}
 
     shape = (512, 256, 8, 65536, torch.float32, True)
     p1 = plan(*shape, timed=True, device="cpu", measure=fake_measure)
@@ -66,6 +67,24 @@ def test_timed_plan_measures_each_candidate_once():
     assert p1.variant == Variant("merged", True, True) and p2.variant == p1.variant
     assert len(calls) == len(set(calls)) == len(p1.candidates)
     assert set(p1.measured_ms) == {v.name for v in p1.candidates}
+
+
+def test_whole_is_no_variant_where_dz_fits_in_one_chunk():
+    """With one backward chunk, "+whole" runs the same program as the default: not a candidate."""
+    from doracheck.kernels.settings import backward_token_chunk
+
+    for T in (1, 256):
+        assert backward_token_chunk(T, 4096, 2) == T
+        names = [v.name for v in candidates(4096, 4096, 64, T, torch.bfloat16, True)]
+        assert names == ["factored", "factored+recompute_xa"]
+    # two chunks (23 MiB of dz against 16 MiB chunks), and the whole of dz fits the allowance
+    assert backward_token_chunk(3000, 4096, 2) < 3000
+    assert "factored+whole" in [v.name for v in candidates(4096, 4096, 8, 3000, torch.bfloat16, True)]
+
+
+def test_measure_variants_times_each_candidate_on_shared_inputs():
+    ms = planner.measure_variants([Variant(), Variant(save_xa=False)], 24, 16, 4, 5, torch.float32, True, "cpu", rounds=3)
+    assert set(ms) == {"factored", "factored+recompute_xa"} and all(t > 0 for t in ms.values())
 
 
 def test_choose_is_the_default_on_the_cpu_and_honours_a_forced_variant():
@@ -141,17 +160,20 @@ def test_bench_cli_plan_json(capsys):
 
     from doracheck.cli.main import main
 
-    assert main(["bench", "--shapes", "48x40r4", "--tokens", "3", "--dtype", "fp32", "--reps", "2", "--plan", "--json"]) == 0
+    args = ["bench", "--shapes", "48x40r4", "--tokens", "3", "--dtype", "fp32", "--reps", "2", "--plan", "--timed", "--json"]
+    assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["summary"]["rows"] == 2  # infer and train
+    assert out["summary"]["rows_with_a_choice"] == 2  # fp32, small: merged is a candidate in both
     for row in out["rows"]:
         assert row["chosen"] in row["predicted_ms"] and set(row["measured_ms"]) == set(row["predicted_ms"])
         assert row["measured_ms"][row["fastest"]] == min(row["measured_ms"].values())
+        assert row["timed_chosen"] in row["measured_ms"] and row["timed_chosen_over_fastest"] >= 1.0
     assert main(["bench", "--shapes", "48x40r4", "--tokens", "3", "--reps", "2"]) == 0
     assert "x" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("bad", [["--shapes", "12x3"], ["--dtype", "fp8"], ["--mode", "decode"], ["--tokens", "0"]])
+@pytest.mark.parametrize("bad", [["--shapes", "12x3"], ["--dtype", "fp8"], ["--mode", "decode"], ["--tokens", "0"], ["--timed"]])
 def test_bench_cli_rejects_bad_arguments(bad, capsys):
     from doracheck.cli.main import main
 

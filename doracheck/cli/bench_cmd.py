@@ -2,15 +2,18 @@
 with ``--plan`` the planner's variants, predicted against measured, side by side.
 
     doracheck bench [--shapes 4096x4096r16,...] [--tokens 1,4096] [--dtype bf16] [--mode infer,train]
-                    [--plan] [--reps N] [--json] [--csv FILE]
+                    [--plan [--timed]] [--reps N] [--json] [--csv FILE]
 
-Shapes are d_in x d_out r rank. Times: median of ``--reps`` calls after warm-up (CUDA events
-on a GPU; on a CPU the host clock, at small default shapes, and the figures describe the CPU).
+Shapes are d_in x d_out r rank. Times: median over ``--reps`` samples after warm-up, each
+sample back-to-back calls timed together, the variants of a row interleaved round-robin
+(``doracheck.timing.time_interleaved``; CUDA events on a GPU; on a CPU the host clock, at small
+default shapes, and the figures describe the CPU).
 ``infer`` is a no_grad forward (norm cached), ``train`` forward + backward with every input
 requiring grad except the frozen weight. With ``--plan`` each row is one (shape, T, dtype,
 mode): every candidate variant's predicted and measured ms, the variant the cost model picks
 and the fastest measured one; the summary says in how many rows the pick is within 5% of the
-fastest. Exit 0, or 2 on bad arguments.
+fastest. ``--timed`` adds the choice of the planner's timing mode, made from its own
+measurement and judged on the row's. Exit 0, or 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="bf16", help="comma list of bf16, fp16, fp32 (activations, weights and adapters)")
     p.add_argument("--mode", default="infer,train", help="comma list of infer, train")
     p.add_argument("--plan", action="store_true", help="the planner's variants: predicted against measured")
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--timed", action="store_true",
+                   help="with --plan: also let the planner's timing mode choose (from its own measurement)")
+    p.add_argument("--reps", type=int, default=15, help="samples per variant (each of back-to-back calls)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--csv", help="also write the rows to this CSV file")
     p.set_defaults(run=run)
@@ -51,7 +56,7 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
 
 
 def _linear_ms(d_in, d_out, T, dtype, training, device, reps):
-    from doracheck.timing import quantile, time_ms
+    from doracheck.timing import quantile, time_interleaved
 
     gen = torch.Generator().manual_seed(0)
     W = (torch.randn(d_out, d_in, generator=gen) / d_in**0.5).to(device, dtype)
@@ -66,7 +71,7 @@ def _linear_ms(d_in, d_out, T, dtype, training, device, reps):
             with torch.no_grad():
                 torch.nn.functional.linear(x, W)
 
-    return quantile(time_ms(call, device, reps), 0.5)
+    return quantile(time_interleaved({"linear": call}, device, reps)["linear"], 0.5)
 
 
 def _measure_row(args, planner, name, device, d_in, d_out, r, T, dt, mode) -> dict:
@@ -76,10 +81,15 @@ def _measure_row(args, planner, name, device, d_in, d_out, r, T, dt, mode) -> di
            "dtype": dt_name, "mode": mode, "linear_ms": _linear_ms(d_in, d_out, T, dt, training, device, args.reps)}
     if args.plan:
         p = planner.plan(d_in, d_out, r, T, dt, training)
-        measured = {v.name: planner.measure_ms(v, d_in, d_out, r, T, dt, training, device, args.reps) for v in p.candidates}
+        measured = planner.measure_variants(p.candidates, d_in, d_out, r, T, dt, training, device, args.reps)
         fastest = min(measured, key=lambda k: measured[k])
         row.update(chosen=p.variant.name, fastest=fastest, predicted_ms=p.predicted_ms, measured_ms=measured,
                    chosen_over_fastest=measured[p.variant.name] / measured[fastest])
+        if args.timed:  # the timing mode's own measurement picks; the row's measurement judges it
+            timed = planner.plan(d_in, d_out, r, T, dt, training, timed=True, device=device,
+                                 measure=lambda *a: planner.measure_variants(*a, rounds=args.reps))
+            row.update(timed_chosen=timed.variant.name,
+                       timed_chosen_over_fastest=measured[timed.variant.name] / measured[fastest])
     else:
         v = planner.plan(d_in, d_out, r, T, dt, training).variant if device.type == "cuda" else planner.DEFAULT
         row.update(variant=v.name, doracheck_ms=planner.measure_ms(v, d_in, d_out, r, T, dt, training, device, args.reps))
@@ -92,7 +102,11 @@ def _format_row(row: dict, plan: bool) -> str:
     if plan:
         cells = "  ".join(f"{k}: pred {row['predicted_ms'][k]:.4f} meas {row['measured_ms'][k]:.4f}" for k in row["measured_ms"])
         mark = "ok" if row["chosen_over_fastest"] <= 1.05 else f"{row['chosen_over_fastest']:.2f}x"
-        return f"{head} | chose {row['chosen']} fastest {row['fastest']} ({mark}) | {cells}"
+        timed = ""
+        if "timed_chosen" in row:
+            t_mark = "ok" if row["timed_chosen_over_fastest"] <= 1.05 else f"{row['timed_chosen_over_fastest']:.2f}x"
+            timed = f" timed chose {row['timed_chosen']} ({t_mark})"
+        return f"{head} | chose {row['chosen']} fastest {row['fastest']} ({mark}){timed} | {cells}"
     return f"{head}  doracheck {row['doracheck_ms']:.4f} ({row['variant']})  x{row['ratio_to_linear']:.2f} linear"
 
 
@@ -107,6 +121,8 @@ def run(args) -> int:
         modes = [m.strip() for m in args.mode.split(",")]
         if any(m not in ("infer", "train") for m in modes) or any(t < 1 for t in tokens) or args.reps < 1:
             raise ValueError("--mode takes infer and/or train; --tokens and --reps must be at least 1")
+        if args.timed and not args.plan:
+            raise ValueError("--timed goes with --plan")
     except KeyError as exc:
         print(f"doracheck bench: --dtype: expected bf16, fp16 or fp32, got {exc.args[0]!r}", file=sys.stderr)
         return 2
@@ -144,10 +160,18 @@ def run(args) -> int:
     summary = {}
     if args.plan:
         within = sum(1 for row in rows if row["chosen_over_fastest"] <= 1.05)
-        summary = {"rows": len(rows), "chosen_within_5pct_of_fastest": within, "fraction": within / max(1, len(rows))}
+        choice_rows = [row for row in rows if len(row["measured_ms"]) > 1]
+        summary = {"rows": len(rows), "chosen_within_5pct_of_fastest": within, "fraction": within / max(1, len(rows)),
+                   "rows_with_a_choice": len(choice_rows),
+                   "chosen_within_5pct_where_a_choice": sum(1 for row in choice_rows if row["chosen_over_fastest"] <= 1.05)}
+        if args.timed:
+            summary["timed_within_5pct_of_fastest"] = sum(1 for row in rows if row["timed_chosen_over_fastest"] <= 1.05)
     if args.json:
         print(json.dumps({"device": name, "rows": rows, "summary": summary}, indent=1))
         return 0
     if summary:
-        print(f"planner: chosen within 5% of the fastest measured in {summary['chosen_within_5pct_of_fastest']} of {summary['rows']} rows")
+        print(f"planner: chosen within 5% of the fastest measured in {summary['chosen_within_5pct_of_fastest']} of {summary['rows']} rows"
+              f" ({summary['chosen_within_5pct_where_a_choice']} of the {summary['rows_with_a_choice']} with more than one candidate)")
+        if "timed_within_5pct_of_fastest" in summary:
+            print(f"planner, timing mode: within 5% in {summary['timed_within_5pct_of_fastest']} of {summary['rows']} rows")
     return 0
