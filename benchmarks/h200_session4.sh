@@ -4,7 +4,8 @@
 # tests and memcheck on the code as it stands (the last review fixes were checked on the CPU only).
 # Part 1 (nvidia-h200-x2): GPU 0 the bf16 planner table alone; GPU 1 the fp32 table, then the gpu
 # tests and memcheck (CPU threads capped so the host-bound rows on GPU 0 keep their cores).
-# Part 2: the bf16 table again, alone, to validate a cost model refitted on part 1.
+# Part 2: the CI command over both GPUs (pytest -n auto), then the bf16 table again, alone, as an
+# independent repeat of part 1's.
 set -u
 source benchmarks/h200_common.sh
 SHAPES=4096x4096r8,4096x4096r64,4096x4096r1024,8192x8192r384,4096x14336r16,14336x4096r128
@@ -22,7 +23,8 @@ if [ "${1:-1}" = 1 ]; then
   wait
   tail -n 3 "$R/gpu_tests.log"; tail -n 3 "$R/memcheck.log"; tail -n 2 "$R/plan_fp32.log"; tail -n 2 "$R/plan_bf16.log"
 else
-  step plan_bf16_validate 400 $PY -m doracheck bench --plan --timed --shapes $SHAPES --tokens 1,256,4096,16384 --dtype bf16 --csv "$R/plan_h200_validate.csv"
-  tail -n 2 "$R/plan_bf16_validate.log"
+  step pytest_n_auto 230 $PY -m pytest -n auto -q -p no:cacheprovider -rs
+  step plan_bf16_validate 300 $PY -m doracheck bench --plan --timed --shapes $SHAPES --tokens 1,256,4096,16384 --dtype bf16 --csv "$R/plan_h200_validate.csv"
+  tail -n 3 "$R/pytest_n_auto.log"; tail -n 2 "$R/plan_bf16_validate.log"
 fi
 finish
