@@ -62,16 +62,19 @@ class Ceilings:
     """What the cost model divides by. H200 figures measured here (benchmarks/README.md):
     bf16 GEMM 687 TFLOP/s (8192³, cuBLAS), copy 4246 GB/s counting read + write; fp32 GEMM
     taken as bf16/14 (no tensor cores; cuBLAS fp32 about 50 TFLOP/s, H200 datasheet 67);
-    a kernel costs at least ``kernel_s`` on the GPU. Host cost per modelled op, fitted to the
-    host-bound rows (T = 1 and 256) of ``doracheck bench --plan`` on the H200 machine
-    (benchmarks/results/plan_h200.csv, 2026-11-29): 25-35 µs a forward op (no_grad), 55-70 µs
-    a backward op (the autograd engine and the Python backward included)."""
+    a kernel costs at least ``kernel_s`` on the GPU. Host cost per modelled op, from the
+    host-bound rows (T = 1 and 256) of ``doracheck bench --plan`` on the H200 machines
+    (2026-11-29): a forward op 44 µs (median no_grad forward 0.262 ms over 6 modelled ops in
+    benchmarks/results/plan_h200.csv; its independent repeat, plan_h200_validate.csv, measured
+    a median 0.210 ms), a backward op 65 µs (the autograd engine and the Python backward
+    included; training rows: median 1.24 ms measured, 1.28 predicted; repeat 1.23 ms). Host
+    time varies by ±40% between machines and runs, so only side-by-side timings compare."""
 
     gemm_flops_16: float = 687e12
     gemm_flops_32: float = 49e12
     copy_bytes: float = 4.25e12
     kernel_s: float = 4e-6
-    host_fwd_op_s: float = 28e-6
+    host_fwd_op_s: float = 44e-6
     host_bwd_op_s: float = 65e-6
 
 
