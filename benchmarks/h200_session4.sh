@@ -22,6 +22,11 @@ if [ "${1:-1}" = 1 ]; then
   ) &
   wait
   tail -n 3 "$R/gpu_tests.log"; tail -n 3 "$R/memcheck.log"; tail -n 2 "$R/plan_fp32.log"; tail -n 2 "$R/plan_bf16.log"
+elif [ "${1:-1}" = 3 ]; then  # after review fixes: timed dispatch, nn.Linear timed in the same rounds
+  step gpu_tests_planner 200 $PY -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_kernels_gpu.py -k "timed_planning or within_budget and 4096"
+  step bench_plan_small 120 $PY -m doracheck bench --plan --timed --shapes 4096x4096r64 --tokens 256,4096 --dtype bf16 --csv "$R/plan_small.csv"
+  step bench_plain 60 $PY -m doracheck bench --shapes 8192x8192r384 --tokens 1,4096
+  tail -n 2 "$R/gpu_tests_planner.log"; cat "$R/bench_plan_small.log" | cut -c1-220; cat "$R/bench_plain.log"
 else
   step pytest_n_auto 230 $PY -m pytest -n auto -q -p no:cacheprovider -rs
   step plan_bf16_validate 300 $PY -m doracheck bench --plan --timed --shapes $SHAPES --tokens 1,256,4096,16384 --dtype bf16 --csv "$R/plan_h200_validate.csv"

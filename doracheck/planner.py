@@ -25,6 +25,10 @@ Variants (``Variant``):
 - ``save_xa`` (training): keep x·Aᵀ (T×r) from the forward, or recompute it in the backward
   (bitwise the same GEMM). Saves T×r of activation memory for 2·T·r·d_in FLOPs.
 
+Choosing: ``plan(...)`` answers from the cost model, or with ``timed=True`` from measuring every
+candidate side by side once per shape; ``dora_linear`` asks ``choose``, which uses the cost model
+unless ``set_mode("timed")`` (or ``DORACHECK_PLAN=timed``) says to measure.
+
 Memory allowance: a layer may add at most ``max(32 MiB, 0.25·T·d_out·itemsize)`` of peak memory
 over the plain linear layer's (the layer targets of issue 3: <= 1.25x nn.Linear + 32 MiB); in
 training the adapter gradients and their fp32 accumulators are counted first, and a variant is
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -63,18 +68,18 @@ class Ceilings:
     bf16 GEMM 687 TFLOP/s (8192³, cuBLAS), copy 4246 GB/s counting read + write; fp32 GEMM
     taken as bf16/14 (no tensor cores; cuBLAS fp32 about 50 TFLOP/s, H200 datasheet 67);
     a kernel costs at least ``kernel_s`` on the GPU. Host cost per modelled op, from the
-    host-bound rows (T = 1 and 256) of ``doracheck bench --plan`` on the H200 machines
-    (2026-11-29): a forward op 44 µs (median no_grad forward 0.262 ms over 6 modelled ops in
-    benchmarks/results/plan_h200.csv; its independent repeat, plan_h200_validate.csv, measured
-    a median 0.210 ms), a backward op 65 µs (the autograd engine and the Python backward
-    included; training rows: median 1.24 ms measured, 1.28 predicted; repeat 1.23 ms). Host
-    time varies by ±40% between machines and runs, so only side-by-side timings compare."""
+    host-bound rows (T = 1 and 256) of ``doracheck bench --plan`` on two H200 machines
+    (2026-11-29; benchmarks/results/plan_h200.csv and its repeat plan_h200_validate.csv, both
+    tables pooled): a forward op 38 µs (median no_grad forward 0.230 ms over 6 modelled ops;
+    0.262 and 0.210 ms in the two tables apart), a backward op 65 µs (the autograd engine and
+    the Python backward included; median training call 1.235 ms measured, 1.241 predicted).
+    Host time varies by ±40% between machines and runs, so only side-by-side timings compare."""
 
     gemm_flops_16: float = 687e12
     gemm_flops_32: float = 49e12
     copy_bytes: float = 4.25e12
     kernel_s: float = 4e-6
-    host_fwd_op_s: float = 44e-6
+    host_fwd_op_s: float = 38e-6
     host_bwd_op_s: float = 65e-6
 
 
@@ -97,6 +102,7 @@ _FORCED: list[Variant | None] = [None]
 _MAX_PLANS = 4096
 _PLANS: dict[tuple, Variant] = {}
 _TIMED: dict[tuple, dict[str, float]] = {}
+_MODE: list[str] = ["cost"]
 
 
 @contextlib.contextmanager
@@ -213,10 +219,13 @@ def predict_ms(v: Variant, d_in: int, d_out: int, r: int, tokens: int, dtype: to
 
 
 def measure_variants(variants: list[Variant], d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype,
-                     training: bool, device: torch.device | str = "cuda", rounds: int = 15) -> dict[str, float]:
+                     training: bool, device: torch.device | str = "cuda", rounds: int = 15, *, dropout: bool = False,
+                     detach_norm: bool = True, with_linear: bool = False) -> dict[str, float]:
     """Median ms of one call of ``dora_linear`` under each variant, measured side by side
     (``timing.time_interleaved``: round-robin, back-to-back calls per sample) on one set of
-    random, non-zero inputs; the norm cache is warm, as in a step."""
+    random, non-zero inputs; the norm cache is warm, as in a step. ``training``: forward and
+    backward with every input but W requiring grad; ``dropout``: p = 0.1 in training mode.
+    ``with_linear`` adds "nn.Linear", the plain layer on the same x and W, to the same rounds."""
     import doracheck
     from doracheck.timing import quantile, time_interleaved
 
@@ -228,20 +237,34 @@ def measure_variants(variants: list[Variant], d_in: int, d_out: int, r: int, tok
     m = (1 + 0.01 * torch.randn(d_out, generator=gen)).to(dev, dtype).requires_grad_(training)
     x = torch.randn(tokens, d_in, generator=gen).to(dev, dtype).requires_grad_(training)
     dy = torch.randn(tokens, d_out, generator=gen).to(dev, dtype)
+    p = 0.1 if dropout else 0.0
 
     def under(v: Variant) -> Callable[[], None]:
         def call() -> None:
             with use_variant(v):
                 if training:
-                    doracheck.dora_linear(x, W, A, B, m, 2.0).backward(dy)
+                    doracheck.dora_linear(x, W, A, B, m, 2.0, dropout_p=p, training=dropout,
+                                         detach_norm=detach_norm).backward(dy)
                     for t in (x, A, B, m):
                         t.grad = None
                 else:
                     with torch.no_grad():
-                        doracheck.dora_linear(x, W, A, B, m, 2.0)
+                        doracheck.dora_linear(x, W, A, B, m, 2.0, dropout_p=p, training=dropout, detach_norm=detach_norm)
         return call
 
-    times = time_interleaved({v.name: under(v) for v in variants}, dev, rounds)
+    def linear() -> None:
+        if training:
+            torch.nn.functional.linear(x, W).backward(dy)
+            x.grad = None
+        else:
+            with torch.no_grad():
+                torch.nn.functional.linear(x, W)
+
+    fns = {v.name: under(v) for v in variants}
+    if with_linear:
+        fns["nn.Linear"] = linear
+    with torch.enable_grad():  # also when planning from inside a forward (autograd Functions run without grad)
+        times = time_interleaved(fns, dev, rounds)
     return {name: quantile(t, 0.5) for name, t in times.items()}
 
 
@@ -253,19 +276,25 @@ def measure_ms(v: Variant, d_in: int, d_out: int, r: int, tokens: int, dtype: to
 
 def plan(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype = torch.bfloat16, training: bool = False, *,
          timed: bool = False, device: torch.device | str = "cuda", dropout: bool = False, detach_norm: bool = True,
-         ceilings: Ceilings = H200, measure: Callable[..., dict[str, float]] | None = None) -> Plan:
-    """The variant for a DoRA layer of this shape, with every candidate's predicted time
-    (and, with ``timed``, every candidate's measured time, side by side, once per shape and cached;
-    ``measure(candidates, d_in, d_out, r, tokens, dtype, training, device)`` -> {name: ms}
-    replaces ``measure_variants``)."""
+         ceilings: Ceilings = H200, measure: Callable[..., dict[str, float]] | None = None,
+         refresh: bool = False) -> Plan:
+    """The variant for a DoRA layer of this shape, with every candidate's predicted time.
+
+    With ``timed`` the choice is the fastest measured candidate: all of them timed side by side
+    on ``device`` (``measure_variants``) once per shape and cached for the process; ``refresh``
+    measures again. ``measure(candidates, d_in, d_out, r, tokens, dtype, training, device,
+    dropout=..., detach_norm=...)`` -> {name: ms} replaces ``measure_variants``."""
     cands = candidates(d_in, d_out, r, tokens, dtype, training, dropout, detach_norm)
     predicted = {v.name: predict_ms(v, d_in, d_out, r, tokens, dtype, training, ceilings) for v in cands}
     if not timed:
         best = min(cands, key=lambda v: (predicted[v.name], v != DEFAULT))
         return Plan(best, predicted, None, "cost model", cands)
     key = (d_in, d_out, r, tokens, dtype, training, dropout, detach_norm, str(device))
-    if key not in _TIMED:
-        _TIMED[key] = (measure or measure_variants)(cands, d_in, d_out, r, tokens, dtype, training, device)
+    if refresh or key not in _TIMED:
+        if len(_TIMED) >= _MAX_PLANS:  # many distinct token counts: start over rather than grow
+            _TIMED.clear()
+        _TIMED[key] = (measure or measure_variants)(cands, d_in, d_out, r, tokens, dtype, training, device,
+                                                     dropout=dropout, detach_norm=detach_norm)
     measured = _TIMED[key]
     best = min(cands, key=lambda v: measured[v.name])
     return Plan(best, predicted, dict(measured), "timed", cands)
@@ -273,9 +302,11 @@ def plan(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype = torch.
 
 def choose(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype, training: bool, dropout: bool,
            detach_norm: bool, device: torch.device) -> Variant:
-    """What ``dora_linear`` runs: a forced variant, else the cost model's choice (cached per
-    shape). Forced variants that are not allowed here (merged with dropout or the exact norm
-    gradient) fall back to "factored" with the same flags."""
+    """What ``dora_linear`` runs: a forced variant, else the planner's choice, cached per shape:
+    the cost model's on a GPU, or with ``set_mode("timed")`` the fastest measured (on any
+    device; the first call of each shape then times every candidate, on fresh inputs of the
+    same shape, before it runs). Forced variants that are not allowed here (merged with dropout
+    or the exact norm gradient) fall back to "factored" with the same flags."""
     if torch.compiler.is_compiling():
         return DEFAULT  # compiled graphs keep one order (and Dynamo does not trace ContextVar)
     forced = _FORCED[0]
@@ -283,16 +314,37 @@ def choose(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype, train
         if forced.order == "merged" and (dropout or not detach_norm):
             return Variant("factored", forced.chunked, forced.save_xa)
         return forced
-    if device.type != "cuda":
-        return DEFAULT  # the ceilings describe the GPU
-    key = (d_in, d_out, r, tokens, dtype, training, dropout, detach_norm)
+    timed = _MODE[0] == "timed" and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    if device.type != "cuda" and not timed:
+        return DEFAULT  # the cost model's ceilings describe the GPU
+    key = (d_in, d_out, r, tokens, dtype, training, dropout, detach_norm, timed, str(device))
     v = _PLANS.get(key)
     if v is None:
         if len(_PLANS) >= _MAX_PLANS:  # many distinct token counts: start over rather than grow
             _PLANS.clear()
-        v = _PLANS[key] = plan(d_in, d_out, r, tokens, dtype, training, dropout=dropout, detach_norm=detach_norm).variant
+        v = _PLANS[key] = plan(d_in, d_out, r, tokens, dtype, training, timed=timed, device=device, dropout=dropout,
+                               detach_norm=detach_norm).variant
     return v
 
 
-__all__ = ["DEFAULT", "H200", "Ceilings", "Plan", "Variant", "candidates", "choose", "measure_ms", "measure_variants", "parse_variant",
-           "plan", "predict_ms", "use_variant"]
+def set_mode(mode: str) -> None:
+    """How ``dora_linear`` plans from now on, process-wide: "cost" (the cost model, the default)
+    or "timed" (measure the candidates of each new shape once, keep the fastest). The
+    environment variable ``DORACHECK_PLAN`` sets the starting mode. Timed planning costs a
+    measurement (about 15 calls of each candidate, and a second set of inputs of the layer's
+    size in memory) the first time each shape is seen, and it is skipped under CUDA graph
+    capture and torch.compile (the default order runs there)."""
+    if mode not in ("cost", "timed"):
+        raise ValueError(f"planner mode: expected 'cost' or 'timed', got {mode!r}")
+    _MODE[0] = mode
+    _PLANS.clear()
+
+
+__all__ = ["DEFAULT", "H200", "Ceilings", "Plan", "Variant", "candidates", "choose", "measure_ms", "measure_variants",
+           "parse_variant", "plan", "predict_ms", "set_mode", "use_variant"]
+
+
+try:
+    set_mode(os.environ.get("DORACHECK_PLAN", "cost"))
+except ValueError as exc:
+    raise ValueError(f"environment variable DORACHECK_PLAN: {exc}") from None

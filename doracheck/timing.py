@@ -1,5 +1,6 @@
-"""Timing one call the way METHOD.md asks: warm-up first, then CUDA events per repetition (the
-host clock on a CPU), median and quantiles; inputs are the caller's (random, never zeros)."""
+"""Timing calls the way METHOD.md asks: warm-up first, then CUDA events (the host clock on a
+CPU), sorted times for medians and quantiles; one callable a call at a time (``time_ms``), or
+several side by side (``time_interleaved``). Inputs are the caller's (random, never zeros)."""
 
 from __future__ import annotations
 
@@ -15,20 +16,7 @@ def time_ms(fn: Callable[[], object], device: torch.device | str, reps: int = 20
     dev = torch.device(device)
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        if dev.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)
+    return sorted(_sample_ms(fn, dev, 1) for _ in range(reps))
 
 
 def quantile(sorted_times: list[float], q: float) -> float:
@@ -36,6 +24,9 @@ def quantile(sorted_times: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(sorted_times) - 1)
     return sorted_times[lo] + (sorted_times[hi] - sorted_times[lo]) * (pos - lo)
+
+
+MAX_CALLS_PER_SAMPLE = 64
 
 
 def time_interleaved(fns: Mapping[str, Callable[[], object]], device: torch.device | str, rounds: int = 15,
@@ -46,18 +37,21 @@ def time_interleaved(fns: Mapping[str, Callable[[], object]], device: torch.devi
     measurement (clocks, the allocator's state, load on the host) falls on all of them alike
     instead of on whichever ran first. Each of the ``rounds`` samples times ``k`` back-to-back
     calls between two CUDA events (the host clock on a CPU) and divides by ``k``; ``k`` is
-    chosen from a warm call so that a sample lasts at least ``min_sample_ms``. Back-to-back calls
+    chosen from a warm call so that a sample lasts about ``min_sample_ms`` (at most
+    ``MAX_CALLS_PER_SAMPLE`` calls: a 20 µs call gets 1.3 ms samples). Back-to-back calls
     let the host run ahead of the GPU as it does between the layers of a model, so a
     host-bound call is timed at its host cost and a GPU-bound one at its GPU time; one event
     pair and one synchronisation per sample keep their own cost out of short calls."""
     dev = torch.device(device)
     names = list(fns)
+    if not names or rounds < 1:
+        raise ValueError(f"time_interleaved: expected at least one callable and one round, got {len(names)} and {rounds}")
     calls_per_sample = {}
     for name in names:
         for _ in range(warmup):
             fns[name]()
         one = _sample_ms(fns[name], dev, 1)
-        calls_per_sample[name] = max(1, min(64, math.ceil(min_sample_ms / max(one, 1e-3))))
+        calls_per_sample[name] = max(1, min(MAX_CALLS_PER_SAMPLE, math.ceil(min_sample_ms / max(one, 1e-3))))
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(rounds):
         for name in names[i % len(names):] + names[:i % len(names)]:
@@ -68,14 +62,15 @@ def time_interleaved(fns: Mapping[str, Callable[[], object]], device: torch.devi
 
 def _sample_ms(fn: Callable[[], object], dev: torch.device, k: int) -> float:
     if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(k):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
+        with torch.cuda.device(dev):  # the events go on dev's stream even if it is not current
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(k):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
     t0 = time.perf_counter()
     for _ in range(k):
         fn()

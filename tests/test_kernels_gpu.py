@@ -208,3 +208,21 @@ def test_training_peak_memory_near_linear():
     linear_mib = peak(lambda: lin(x).backward(dy))
     dora_mib = peak(lambda: layer(x).backward(dy))
     assert dora_mib <= 1.25 * linear_mib + 32, (dora_mib, linear_mib)
+
+
+def test_timed_planning_on_the_gpu_measures_once_and_stays_within_budget():
+    """set_mode("timed") on the GPU: the first training call of a shape measures its candidates
+    (from inside the forward: the measurement runs its own forward + backward), later calls reuse
+    the choice, and forward and gradients stay within the oracle budgets."""
+    from doracheck import planner
+
+    case = make_case(2048, 1024, 16, (3, 700), torch.bfloat16, seed=21, device="cuda")
+    planner.set_mode("timed")
+    try:
+        before = len(planner._TIMED)
+        check_against_oracle(case, torch.bfloat16)
+        measured = len(planner._TIMED)
+        check_against_oracle(case, torch.bfloat16)
+        assert measured == before + 1 and len(planner._TIMED) == measured
+    finally:
+        planner.set_mode("cost")

@@ -250,7 +250,7 @@ def test_recomputed_xa_with_dropout_is_bitwise_the_saved_one():
 def test_timed_plans_are_keyed_by_dropout_and_norm_mode():
     from doracheck.planner import plan
 
-    def fake(variants, *args):
+    def fake(variants, *args, **kwargs):
         return {v.name: 1.0 if v.order == "merged" else 2.0 for v in variants}
 
     shape = (96, 80, 8, 70000, torch.float32, True)

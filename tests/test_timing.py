@@ -15,31 +15,35 @@ def fake_clock(monkeypatch):
     return now
 
 
-def test_time_interleaved_rotates_and_batches(fake_clock):
-    order = []
+def _work(order, clock, name, seconds):
+    def fn():
+        order.append(name)
+        clock[0] += seconds
+    return fn
 
-    def work(name, seconds):
-        def fn():
-            order.append(name)
-            fake_clock[0] += seconds
-        return fn
 
-    fns = {"short": work("short", 0.5e-3), "long": work("long", 3e-3)}
+def test_time_interleaved_batches_short_calls_and_rotates(fake_clock):
+    order: list[str] = []
+    fns = {"s": _work(order, fake_clock, "s", 0.5e-3), "l": _work(order, fake_clock, "l", 3e-3)}
     times = timing.time_interleaved(fns, "cpu", rounds=4, warmup=2, min_sample_ms=2.0)
     # per call, whatever the batch size: 0.5 ms and 3 ms
-    assert times["short"] == pytest.approx([0.5] * 4) and times["long"] == pytest.approx([3.0] * 4)
-    # warm-up (2) and one probe call each, then rounds whose first callable rotates; a 0.5 ms call
-    # is timed 4 to a sample (2 ms), a 3 ms one alone
-    timed = order[2 * 3:]
-    rounds = []
-    while timed:
-        first = timed[0]
-        k = 4 if first == "short" else 1
-        other = "long" if first == "short" else "short"
-        rounds.append(timed[:k] + timed[k:k + (1 if other == "long" else 4)])
-        timed = timed[5:]
-    assert [r[0] for r in rounds] == ["short", "long", "short", "long"]
-    assert all(sorted(r) == ["long"] + ["short"] * 4 for r in rounds)
+    assert times["s"] == pytest.approx([0.5] * 4) and times["l"] == pytest.approx([3.0] * 4)
+    # warm-up (2) and one probe call each; then a 0.5 ms call is timed 4 to a sample (2 ms), a
+    # 3 ms one alone, and the first callable of a round alternates
+    assert "".join(order) == "sss" + "lll" + "ssssl" + "lssss" + "ssssl" + "lssss"
+
+
+def test_time_interleaved_rotates_rather_than_reverses(fake_clock):
+    order: list[str] = []
+    fns = {c: _work(order, fake_clock, c, 3e-3) for c in "abc"}
+    timing.time_interleaved(fns, "cpu", rounds=3, warmup=0)
+    assert "".join(order) == "abc" + "abc" + "bca" + "cab"
+
+
+@pytest.mark.parametrize("fns, rounds", [({}, 3), ({"a": lambda: None}, 0)])
+def test_time_interleaved_rejects_nothing_to_time(fns, rounds):
+    with pytest.raises(ValueError, match="at least one callable and one round"):
+        timing.time_interleaved(fns, "cpu", rounds=rounds)
 
 
 def test_time_ms_is_sorted_and_counts_reps(fake_clock):

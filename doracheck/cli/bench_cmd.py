@@ -5,8 +5,8 @@ with ``--plan`` the planner's variants, predicted against measured, side by side
                     [--plan [--timed]] [--reps N] [--json] [--csv FILE]
 
 Shapes are d_in x d_out r rank. Times: median over ``--reps`` samples after warm-up, each
-sample back-to-back calls timed together, the variants of a row interleaved round-robin
-(``doracheck.timing.time_interleaved``; CUDA events on a GPU; on a CPU the host clock, at small
+sample back-to-back calls timed together, the variants of a row and nn.Linear of the same shape
+interleaved round-robin on the same inputs (``doracheck.timing.time_interleaved``; CUDA events on a GPU; on a CPU the host clock, at small
 default shapes, and the figures describe the CPU).
 ``infer`` is a no_grad forward (norm cached), ``train`` forward + backward with every input
 requiring grad except the frozen weight. With ``--plan`` each row is one (shape, T, dtype,
@@ -55,44 +55,28 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def _linear_ms(d_in, d_out, T, dtype, training, device, reps):
-    from doracheck.timing import quantile, time_interleaved
-
-    gen = torch.Generator().manual_seed(0)
-    W = (torch.randn(d_out, d_in, generator=gen) / d_in**0.5).to(device, dtype)
-    x = torch.randn(T, d_in, generator=gen).to(device, dtype).requires_grad_(training)
-    dy = torch.randn(T, d_out, generator=gen).to(device, dtype)
-
-    def call():
-        if training:
-            torch.nn.functional.linear(x, W).backward(dy)
-            x.grad = None
-        else:
-            with torch.no_grad():
-                torch.nn.functional.linear(x, W)
-
-    return quantile(time_interleaved({"linear": call}, device, reps)["linear"], 0.5)
-
-
 def _measure_row(args, planner, name, device, d_in, d_out, r, T, dt, mode) -> dict:
     training = mode == "train"
     dt_name = next(k for k, v in DTYPES.items() if v == dt)
     row = {"device": name, "torch": torch.__version__, "d_in": d_in, "d_out": d_out, "r": r, "tokens": T,
-           "dtype": dt_name, "mode": mode, "linear_ms": _linear_ms(d_in, d_out, T, dt, training, device, args.reps)}
+           "dtype": dt_name, "mode": mode}
     if args.plan:
         p = planner.plan(d_in, d_out, r, T, dt, training)
-        measured = planner.measure_variants(p.candidates, d_in, d_out, r, T, dt, training, device, args.reps)
+        measured = planner.measure_variants(p.candidates, d_in, d_out, r, T, dt, training, device, args.reps,
+                                            with_linear=True)
+        row["linear_ms"] = measured.pop("nn.Linear")
         fastest = min(measured, key=lambda k: measured[k])
         row.update(chosen=p.variant.name, fastest=fastest, predicted_ms=p.predicted_ms, measured_ms=measured,
                    chosen_over_fastest=measured[p.variant.name] / measured[fastest])
-        if args.timed:  # the timing mode's own measurement picks; the row's measurement judges it
-            timed = planner.plan(d_in, d_out, r, T, dt, training, timed=True, device=device,
-                                 measure=lambda *a: planner.measure_variants(*a, rounds=args.reps))
+        if args.timed:  # the timing mode's own, fresh measurement picks; the row's measurement judges it
+            timed = planner.plan(d_in, d_out, r, T, dt, training, timed=True, device=device, refresh=True,
+                                 measure=lambda *a, **k: planner.measure_variants(*a, **k, rounds=args.reps))
             row.update(timed_chosen=timed.variant.name,
                        timed_chosen_over_fastest=measured[timed.variant.name] / measured[fastest])
     else:
         v = planner.plan(d_in, d_out, r, T, dt, training).variant if device.type == "cuda" else planner.DEFAULT
-        row.update(variant=v.name, doracheck_ms=planner.measure_ms(v, d_in, d_out, r, T, dt, training, device, args.reps))
+        measured = planner.measure_variants([v], d_in, d_out, r, T, dt, training, device, args.reps, with_linear=True)
+        row.update(linear_ms=measured["nn.Linear"], variant=v.name, doracheck_ms=measured[v.name])
         row["ratio_to_linear"] = row["doracheck_ms"] / row["linear_ms"]
     return row
 
@@ -133,7 +117,8 @@ def run(args) -> int:
     rows = []
     total = len(shapes) * len(tokens) * len(dtypes) * len(modes)
     if not args.json:
-        print(f"doracheck bench on {name} (median ms of {args.reps} calls after warm-up)", flush=True)
+        print(f"doracheck bench on {name} (median ms per call over {args.reps} samples of back-to-back calls, side by side)",
+              flush=True)
     csv_file = open(args.csv, "w", newline="") if args.csv else None  # noqa: SIM115 (written row by row)
     writer = None
     try:
