@@ -28,7 +28,8 @@ def _run_two_ranks(device: str, steps: int, env: dict) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
            "--device", device, "--mode", "check", "--steps", str(steps)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+    # a rank's own traceback comes before torchrun's summary, so show the start of stderr too
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[:4000]}\n...\n{done.stderr[-3000:]}"
     return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
 
 
