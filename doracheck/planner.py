@@ -268,12 +268,6 @@ def measure_variants(variants: list[Variant], d_in: int, d_out: int, r: int, tok
     return {name: quantile(t, 0.5) for name, t in times.items()}
 
 
-def measure_ms(v: Variant, d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype, training: bool,
-               device: torch.device | str = "cuda", rounds: int = 15) -> float:
-    """Median ms of one call of ``dora_linear`` under variant ``v`` (``measure_variants``)."""
-    return measure_variants([v], d_in, d_out, r, tokens, dtype, training, device, rounds)[v.name]
-
-
 def plan(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype = torch.bfloat16, training: bool = False, *,
          timed: bool = False, device: torch.device | str = "cuda", dropout: bool = False, detach_norm: bool = True,
          ceilings: Ceilings = H200, measure: Callable[..., dict[str, float]] | None = None,
@@ -317,7 +311,7 @@ def choose(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype, train
     timed = _MODE[0] == "timed" and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
     if device.type != "cuda" and not timed:
         return DEFAULT  # the cost model's ceilings describe the GPU
-    key = (d_in, d_out, r, tokens, dtype, training, dropout, detach_norm, timed, str(device))
+    key = (d_in, d_out, r, tokens, dtype, training, dropout, detach_norm, timed, device)
     v = _PLANS.get(key)
     if v is None:
         if len(_PLANS) >= _MAX_PLANS:  # many distinct token counts: start over rather than grow
@@ -340,7 +334,7 @@ def set_mode(mode: str) -> None:
     _PLANS.clear()
 
 
-__all__ = ["DEFAULT", "H200", "Ceilings", "Plan", "Variant", "candidates", "choose", "measure_ms", "measure_variants",
+__all__ = ["DEFAULT", "H200", "Ceilings", "Plan", "Variant", "candidates", "choose", "measure_variants",
            "parse_variant", "plan", "predict_ms", "set_mode", "use_variant"]
 
 
