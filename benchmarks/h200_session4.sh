@@ -27,6 +27,9 @@ elif [ "${1:-1}" = 3 ]; then  # after review fixes: timed dispatch, nn.Linear ti
   step bench_plan_small 120 $PY -m doracheck bench --plan --timed --shapes 4096x4096r64 --tokens 256,4096 --dtype bf16 --csv "$R/plan_small.csv"
   step bench_plain 60 $PY -m doracheck bench --shapes 8192x8192r384 --tokens 1,4096
   tail -n 2 "$R/gpu_tests_planner.log"; cat "$R/bench_plan_small.log" | cut -c1-220; cat "$R/bench_plain.log"
+elif [ "${1:-1}" = 4 ]; then  # after the gloo/NCCL teardown barrier in fsdp_train.py and the last planner edits
+  step fsdp_and_planner 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_fsdp.py tests/test_planner.py tests/test_timing.py tests/test_kernels_gpu.py -k "fsdp or planner or timing or timed"
+  tail -n 3 "$R/fsdp_and_planner.log"
 else
   step pytest_n_auto 230 $PY -m pytest -n auto -q -p no:cacheprovider -rs
   step plan_bf16_validate 300 $PY -m doracheck bench --plan --timed --shapes $SHAPES --tokens 1,256,4096,16384 --dtype bf16 --csv "$R/plan_h200_validate.csv"
