@@ -5,9 +5,10 @@ with ``--plan`` the planner's variants, predicted against measured, side by side
                     [--plan [--timed]] [--reps N] [--json] [--csv FILE]
 
 Shapes are d_in x d_out r rank. Times: median over ``--reps`` samples after warm-up, each
-sample back-to-back calls timed together, the variants of a row and nn.Linear of the same shape
-interleaved round-robin on the same inputs (``doracheck.timing.time_interleaved``; CUDA events on a GPU; on a CPU the host clock, at small
-default shapes, and the figures describe the CPU).
+sample back-to-back calls timed together, the variants of a row and nn.Linear of the same
+shape interleaved round-robin on the same inputs (``doracheck.timing.time_interleaved``; CUDA
+events on a GPU; on a CPU the host clock, at small default shapes, and the figures describe
+the CPU).
 ``infer`` is a no_grad forward (norm cached), ``train`` forward + backward with every input
 requiring grad except the frozen weight. With ``--plan`` each row is one (shape, T, dtype,
 mode): every candidate variant's predicted and measured ms, the variant the cost model picks
