@@ -10,11 +10,12 @@ What is saved for backward (the caller's x is referenced, not copied):
 - Triton path, no dropout, no bias: the output y itself (which the next layer usually holds
   anyway) and xa (T×r); the backward recovers g⊙z = y, so no T×d_out tensor is added.
   Measured choice: saving z would add T×d_out (64 MiB at T = 4096, d_out = 8192 in bf16) to
-  the training peak for no speed gain. Consequence: where m_i = 0 while n_i > eps, z_i is
-  not recoverable from y and dm_i is NaN (loud, not silent); where n_i < eps (a zero row)
-  dm_i = 0. With a bias, z is saved instead (the fused kernel writes it): recovering it
-  from y - b loses digits in proportion to |b|/|g·z|, which the baseline-ratio property
-  caught in fp16 (3.4e-3 against the naive 9.3e-4, interpreter, 2026-11-29).
+  the training peak for no speed gain. Where m_i = 0 while n_i > eps, z_i is not
+  recoverable from y: the kernel ``dm_lost_rows`` recomputes dm_i for exactly those
+  features from x, W, xa and B (where no m_i is 0 it reads g and n only); where n_i < eps
+  (a zero row) dm_i = 0. With a bias, z is saved instead (the fused kernel writes it):
+  recovering it from y - b loses digits in proportion to |b|/|g·z|, which the
+  baseline-ratio property caught in fp16 (3.4e-3 against the naive 9.3e-4, interpreter).
 - Dropout, and the torch path: z_d = base_d + s·lora in c (T×d_out), exact in all cases.
 - The bool keep-mask with dropout (x_d is recomputed from x and it).
 
@@ -46,6 +47,8 @@ autograd.Function and computes nothing that only the backward needs (no z with a
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -129,12 +132,14 @@ def _row_scaled_tmm(dy: torch.Tensor, xa: torch.Tensor, g: torch.Tensor, s: floa
     return torch.addcmul(_zero_scalar(g), P, g[:, None], value=s, out=out)
 
 
-def _norm_and_scale(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out, detach_norm, path="torch", need_g=True):
+def _norm_and_scale(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out, detach_norm, path="torch", need_g=True, *,
+                    recording):
     """(FactoredNorm, g = m / max(n, eps), max(n, eps)). The norm and max(n, eps) come from the
     norm cache while W, A, B are unchanged; g is recomputed each call (one small kernel),
     because the magnitude is a trained parameter that tools also write through ``.data``
     (gradcheck does), which no version counter sees. ``need_g=False`` gives g = None (the
-    inference kernel divides m by max(n, eps) itself)."""
+    inference kernel divides m by max(n, eps) itself). ``recording``: autograd records this
+    forward (``norm_cache.lookup_or_compute`` says what that changes)."""
 
     def compute():
         with torch.no_grad():
@@ -147,6 +152,7 @@ def _norm_and_scale(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out, 
         fn, n_safe = norm_cache.lookup_or_compute(
             weight, lora_A, lora_B, scaling, fan_in_fan_out,
             lambda: (lambda fn_ns: (fn_ns[0]._replace(U=None, G=None), fn_ns[1]))(compute()), tag=path,
+            recording=recording,
         )
     else:  # U and G are needed; not worth caching (training-only mode)
         fn, n_safe = compute()
@@ -179,7 +185,7 @@ def _forward(x, weight, lora_A, lora_B, magnitude, bias, s, keep_mask, dropout_p
     g_in_kernel = triton_path and not need_saved and keep_mask is None
     fn, g, n_safe = _norm_and_scale(
         weight, lora_A, lora_B, magnitude, s, fan_in_fan_out, detach_norm, "triton" if triton_path else "torch",
-        need_g=not g_in_kernel,
+        need_g=not g_in_kernel, recording=need_saved,
     )
     n = fn.norm
 
@@ -249,6 +255,18 @@ def _scaled_grad_chunk(dy_c, h_c, g, n, bias, *, triton_path, from_output, final
     return grad_scale_dm_torch(dy_c, h_c, g, n, bias, from_output=from_output, final_dm=final_dm, reduce=reduce)
 
 
+def _dm_lost_rows(dm, dy2, x2, W, xa, B, g, n, s, triton_path):
+    """dm with the features whose z the saved output lost (g = 0 while n >= eps) recomputed
+    from the operands (kernels' ``dm_lost_rows``); in place where ``dm`` is the kernel's own."""
+    if triton_path:
+        from doracheck.kernels import ops
+
+        return ops.call("dm_lost_rows_", dm, dy2, x2, W, xa, B, g, n, s)
+    from doracheck.kernels import dm_lost_rows_torch
+
+    return dm_lost_rows_torch(dm, dy2, x2, W, xa, B, g, n, s)
+
+
 def _dm_sum_of_z(dm_sum, g, n, from_output):
     """Σ_t dy⊙z from the accumulated sum. From the output, Σ dy⊙(g⊙z) is divided by g; where
     g = 0, z is gone: 0 for a zero row (n < eps, z = 0 exactly), NaN otherwise."""
@@ -259,7 +277,12 @@ def _dm_sum_of_z(dm_sum, g, n, from_output):
     return torch.where(g == 0, lost, dm_sum / safe_g)
 
 
-def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout_p, detach_norm, fan_in_fan_out, lead, need):
+def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout_p, detach_norm, fan_in_fan_out, lead, need,
+              base_in_dx=True):
+    """dx, dW, dA, dB, dm, db of the module docstring for upstream ``dy``. ``base_in_dx=False``
+    (a from-base layer whose ``result`` is not x·Wᵀ + b: it carries another adapter's output)
+    leaves out of dx the term through the base output (dz·W, or dy·W with dropout): that
+    gradient reaches x through ``result`` instead."""
     x2, keep, xa, saved_h, g, n = (ctx_saved[k] for k in ("x2", "keep", "xa", "saved_h", "g", "n"))
     triton_path, from_output = ctx_saved["triton_path"], ctx_saved["from_output"]
     variant = ctx_saved.get("variant", planner.DEFAULT)
@@ -267,9 +290,9 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
     d_out = g.shape[0]
     d_in = x2.shape[1]
     acc = n.dtype  # accumulation dtype: fp32, or fp64 for fp64 inputs
-    dy2 = dy.reshape(-1, d_out)
+    T = x2.shape[0]
+    dy2 = dy.reshape(T, d_out)  # T from x: with d_out = 0, -1 would be ambiguous
     dy2 = (dy2 if dy2.dtype == cd else dy2.to(cd)).contiguous()
-    T = dy2.shape[0]
     W = _rows(weight, fan_in_fan_out)
     W = W if W.dtype == cd else W.to(cd)
     A = lora_A if lora_A.dtype == cd else lora_A.to(cd)
@@ -329,7 +352,7 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
         else:
             dm_sum = dm_c
         if prescaled:
-            if dx2 is not None:
+            if dx2 is not None and base_in_dx:
                 dx2[t0:t1].addmm_(dz, W)
         elif Wm is not None and not need[2]:
             dzB = None
@@ -341,14 +364,19 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
             out = dx2[t0:t1] if chunked else dx2
             if Wm is not None:
                 torch.mm(dz, Wm, out=out)
-            elif keep_c is None:
+            elif keep_c is None and base_in_dx:
                 torch.mm(dz, W, out=out)
                 out.addmm_(dzB, A, alpha=s)
+            elif keep_c is None:
+                torch.addmm(_zero_scalar(out), dzB, A, beta=0, alpha=s, out=out)
             else:
                 gm1_dy = (dy_c.to(acc) * (g - 1.0)).to(cd)
                 dropped = torch.addmm(gm1_dy @ W, dzB, A, alpha=s).mul_(keep_c)
-                torch.mm(dy_c, W, out=out)
-                out += dropped
+                if base_in_dx:
+                    torch.mm(dy_c, W, out=out)
+                    out += dropped
+                else:
+                    out.copy_(dropped)
         # Adapter gradients: one chunk -> straight from the GEMM; several -> fp32 accumulators.
         if need[3] and not prescaled:
             if not chunked:  # s applied inside the GEMM (one rounding, no fp32 copy of dB)
@@ -373,12 +401,18 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
         dB_acc = torch.zeros(d_out, A.shape[0], dtype=acc, device=x2.device) if need[3] else None
         dA_acc = torch.zeros(A.shape[0], d_in, dtype=acc, device=x2.device) if need[2] else None
         dW_rows = torch.zeros(d_out, d_in, dtype=acc, device=x2.device) if need[1] else None
+    dm = None
     if final_dm:  # the kernel finished dm (the common, detached-norm case: fewest host ops)
-        dm = dm_sum.to(magnitude.dtype) if need[4] else None
+        dm = dm_sum if need[4] else None
     else:
         dm_raw = dm_sum.to(acc)  # Σ dy⊙(g⊙z) from the output, Σ dy⊙z otherwise
         dm_sum = _dm_sum_of_z(dm_raw, g, n, from_output)
-        dm = (dm_sum / n_safe).to(magnitude.dtype) if need[4] else None
+        dm = dm_sum / n_safe if need[4] else None
+    if dm is not None and from_output and T > 0 and d_out > 0:
+        # Where m = 0 (g = 0, n >= eps) the output holds no z: those features are recomputed.
+        xa_all = xa if xa is not None else x2 @ A.t()  # from the output means no dropout: x_d = x
+        dm = _dm_lost_rows(dm, dy2, x2, W, xa_all, B, g, n, s, triton_path)
+    dm = dm.to(magnitude.dtype) if dm is not None else None
 
     dx = dx2.reshape(*lead, d_in) if dx2 is not None else None
     # s is already in the GEMM's alpha, except for the fp32 accumulator of a chunked dB.
@@ -414,6 +448,24 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
     return dx, dW, dA, dB, dm, db
 
 
+def _autocast_off(device_type: str):
+    """A context that turns autocast off on ``device_type`` where it is on (a no-op otherwise):
+    the Functions choose every dtype themselves (GEMMs in the compute dtype, fp32 g and
+    accumulators), and autocast re-casting their operands would break that."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast would run a linear layer on ``x`` in, or None where autocast is off
+    for x's device (or x is fp64, which autocast leaves alone)."""
+    device_type = x.device.type
+    if x.dtype == torch.float64 or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
 class DoRALinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, lora_A, lora_B, magnitude, bias, scaling, keep_mask, dropout_p, detach_norm, fan_in_fan_out):
@@ -426,37 +478,47 @@ class DoRALinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        norm_cache.note_backward()
         x2, keep, xa, saved_h, g, n, n_safe, U, G, weight, lora_A, lora_B, magnitude, bias = ctx.saved_tensors
         saved = {"x2": x2, "keep": keep, "xa": xa, "saved_h": saved_h, "g": g, "n": n, "n_safe": n_safe, "U": U, "G": G}
         saved["triton_path"], saved["from_output"], saved["variant"] = ctx.flags
         s, dropout_p, detach_norm, fan_in_fan_out, lead = ctx.args
-        grads = _backward(
-            saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout_p, detach_norm, fan_in_fan_out, lead, ctx.needs_input_grad
-        )
+        with _autocast_off(dy.device.type):
+            grads = _backward(
+                saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout_p, detach_norm, fan_in_fan_out, lead,
+                ctx.needs_input_grad,
+            )
         return (*grads, None, None, None, None, None)
 
 
 def dora_linear_autograd(x, weight, lora_A, lora_B, magnitude, scaling, bias, keep_mask, dropout_p, detach_norm, fan_in_fan_out):
     """Apply ``DoRALinearFunction`` (arguments already validated); without autograd, the
-    forward alone."""
-    tensors = (x, weight, lora_A, lora_B, magnitude, bias)
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
-        y, _ = _forward(
-            x, weight, lora_A, lora_B, magnitude, bias, float(scaling), keep_mask, dropout_p, detach_norm, fan_in_fan_out,
-            need_saved=False,
-        )
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-    y = DoRALinearFunction.apply(
-        x, weight, lora_A, lora_B, magnitude, bias, scaling, keep_mask, dropout_p, detach_norm, fan_in_fan_out
-    )
+    forward alone. Under autocast, x is first cast to autocast's dtype (an autograd op, as
+    ``F.linear`` does there), so the GEMMs run and y is returned in that dtype, while the norm,
+    g and the adapter gradients keep the parameters' dtypes."""
+    cast_to = autocast_dtype(x)
+    if cast_to is not None and x.dtype != cast_to:
+        x = x.to(cast_to)
+    with _autocast_off(x.device.type):
+        tensors = (x, weight, lora_A, lora_B, magnitude, bias)
+        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
+            y, _ = _forward(
+                x, weight, lora_A, lora_B, magnitude, bias, float(scaling), keep_mask, dropout_p, detach_norm, fan_in_fan_out,
+                need_saved=False,
+            )
+        else:
+            y = DoRALinearFunction.apply(
+                x, weight, lora_A, lora_B, magnitude, bias, scaling, keep_mask, dropout_p, detach_norm, fan_in_fan_out
+            )
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _from_base_forward(result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask, dropout_p, *,
-                       need_saved):
-    """``result`` rewritten in place into the DoRA output (see ``DoRAFromBaseFunction``); returns
-    (the tensors a backward needs, flags). ``need_saved=False`` (no autograd): inference on the
-    Triton path forms g = m / n inside the compose kernel and nothing is kept."""
+                       need_saved, result_is_base=True):
+    """The DoRA output from ``result`` (see ``DoRAFromBaseFunction``): written into ``result``
+    itself when ``result_is_base``, else into a new tensor. Returns (y, the tensors a backward
+    needs, flags). ``need_saved=False`` (no autograd): inference on the Triton path forms
+    g = m / n inside the compose kernel and nothing is kept."""
     from doracheck.kernels import ops
 
     s = float(scaling)
@@ -466,25 +528,29 @@ def _from_base_forward(result, x, weight, lora_A, lora_B, magnitude, bias, scali
         bias = bias.contiguous()  # the kernels read b with stride 1
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.dtype == cd else x2.to(cd)
+    T = x2.shape[0]
+    # T from x: with d_out = 0, view(-1, 0) would be ambiguous. A result that is not the base
+    # output is copied first: the caller's tensor may be saved by the adapter that wrote it.
+    r2 = result.view(T, d_out) if result_is_base else result.reshape(T, d_out).clone(memory_format=torch.contiguous_format)
+    out = result if result_is_base else r2.view(result.shape)
     triton_path = _use_triton(x2, weight, lora_A, lora_B, magnitude, bias)
     g_in_kernel = triton_path and not need_saved and keep_mask is None
     fn, g, n_safe = _norm_and_scale(
-        weight, lora_A, lora_B, magnitude, s, fan_in_fan_out, True, "triton" if triton_path else "torch", need_g=not g_in_kernel
+        weight, lora_A, lora_B, magnitude, s, fan_in_fan_out, True, "triton" if triton_path else "torch", need_g=not g_in_kernel,
+        recording=need_saved,
     )
     A = lora_A if lora_A.dtype == cd else lora_A.to(cd)
     if g_in_kernel:  # inference: y = b + g⊙(result - b + s·xa·Bᵀ), g = m / n in the kernel, in place
-        r2 = result.view(-1, d_out)
         y = ops.compose_infer_(r2, x2 @ A.t(), lora_B, magnitude, n_safe, bias, s, True)
         if y is not r2:  # traced: the functional op returned a new tensor
             r2.copy_(y)
-        return (), (True, False)
+        return out, (), (True, False)
     keep = None
     x_d = x2
     if keep_mask is not None:
         keep = keep_mask.expand(x.shape).reshape(-1, x.shape[-1])
         x_d = _dropped(x2, keep, dropout_p)
     xa = x_d @ A.t()
-    r2 = result.view(-1, d_out)  # callers pass a contiguous result (the PEFT variant checks)
     from_output = False
     if keep is not None:
         W = _rows(weight, fan_in_fan_out)
@@ -503,7 +569,7 @@ def _from_base_forward(result, x, weight, lora_A, lora_B, magnitude, bias, scali
         y = ops.call("lora_up_compose_", r2, xa, lora_B, g, None, s)
         if y is not r2:  # traced: the functional op returned a new tensor
             r2.copy_(y)
-        saved_h, from_output = result, True  # saved as the output itself (a view of it would be refused)
+        saved_h, from_output = out, True  # saved as the output itself (a view of it would be refused)
     elif triton_path:
         y, saved_h = ops.call("lora_up_compose_save_z_", r2, xa, lora_B, g, bias, s, True)
         if y is not r2:
@@ -516,55 +582,93 @@ def _from_base_forward(result, x, weight, lora_A, lora_B, magnitude, bias, scali
         y = g * z + (bias.to(acc) if bias is not None else 0.0)
         r2.copy_(y)
         saved_h = z.to(cd)
-    return (x2, keep, xa, saved_h, g, fn.norm, n_safe, None, None), (triton_path, from_output)
+    return out, (x2, keep, xa, saved_h, g, fn.norm, n_safe, None, None), (triton_path, from_output)
 
 
 class DoRAFromBaseFunction(torch.autograd.Function):
-    """DoRA on top of a base output that a caller (PEFT's LoRA Linear) already computed.
+    """DoRA on top of an output a caller (PEFT's LoRA Linear) already computed.
 
-    ``result`` = x·Wᵀ + b is rewritten in place into y = g⊙(result - b + s·(x·Aᵀ)·Bᵀ) + b
-    (marked dirty), so the layer adds no T×d_out buffer and runs no second x·Wᵀ. The backward
-    is ``_backward``'s: it returns the whole dx = dz·W + s·(dz·B)·A itself and no gradient to
-    ``result``, so the base layer's own backward (another d_out×d_in GEMM) never runs. Only
-    for frozen W (the caller checks). With dropout (``keep_mask``, x_d = x·keep/(1-p)), as
-    PEFT: y = result + (g-1)⊙(x_d·Wᵀ) + g⊙s⊙(x_d·Aᵀ)·Bᵀ, one extra x_d·Wᵀ GEMM, z_d saved.
+    PEFT's form, for each active adapter in turn: y = result + (g-1)⊙(result - b) + g⊙s⊙lora,
+    i.e. y = g⊙(result - b + s·(x·Aᵀ)·Bᵀ) + b, with lora = (x·Aᵀ)·Bᵀ; with dropout
+    (``keep_mask``, x_d = x·keep/(1-p)): y = result + (g-1)⊙(x_d·Wᵀ) + g⊙s⊙(x_d·Aᵀ)·Bᵀ, one
+    extra x_d·Wᵀ GEMM, z_d saved.
+
+    ``result_is_base=True`` (the first active adapter: result = x·Wᵀ + b exactly): ``result``
+    is rewritten in place (marked dirty), so the layer adds no T×d_out buffer and runs no
+    second x·Wᵀ, and the backward returns the whole dx = dz·W + s·(dz·B)·A itself and no
+    gradient to ``result``, so the base layer's own backward (another d_out×d_in GEMM) never
+    runs. Only for frozen W (the caller checks).
+
+    ``result_is_base=False`` (result carries an earlier adapter's output too): y is a new
+    tensor (the earlier adapter may have saved ``result``), ``result`` gets its gradient
+    (g⊙dy; dy with dropout), dx only this adapter's own terms, and a trainable bias the part
+    this adapter adds: Σ_t (1-g)⊙dy (nothing with dropout).
     """
 
     @staticmethod
-    def forward(ctx, result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask=None, dropout_p=0.0):
+    def forward(ctx, result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask=None, dropout_p=0.0,
+                result_is_base=True):
         # ``result`` comes first: when it is a view (F.linear on 3-D input), autograd rebases its
         # history through CopySlices, which takes the dirty tensor's gradient from slot 0.
-        tensors, flags = _from_base_forward(result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out,
-                                            keep_mask, dropout_p, need_saved=True)
-        ctx.mark_dirty(result)
+        with _autocast_off(result.device.type):
+            out, tensors, flags = _from_base_forward(
+                result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask, dropout_p,
+                need_saved=True, result_is_base=result_is_base,
+            )
+        if result_is_base:
+            ctx.mark_dirty(result)
         ctx.save_for_backward(*tensors, weight, lora_A, lora_B, magnitude, bias)
-        ctx.flags = flags
+        ctx.flags = (*flags, result_is_base)
         ctx.args = (float(scaling), fan_in_fan_out, x.shape[:-1], float(dropout_p))
-        return result
+        return out
 
     @staticmethod
     def backward(ctx, dy):
+        norm_cache.note_backward()
         x2, keep, xa, saved_h, g, n, n_safe, U, G, weight, lora_A, lora_B, magnitude, bias = ctx.saved_tensors
-        saved_h = saved_h.reshape(-1, g.shape[0])
+        T, d_out = x2.shape[0], g.shape[0]
+        saved_h = saved_h.reshape(T, d_out)
+        triton_path, from_output, result_is_base = ctx.flags
         saved = {"x2": x2, "keep": keep, "xa": xa, "saved_h": saved_h, "g": g, "n": n, "n_safe": n_safe, "U": U, "G": G}
-        saved["triton_path"], saved["from_output"] = ctx.flags
+        saved["triton_path"], saved["from_output"] = triton_path, from_output
         s, fan_in_fan_out, lead, dropout_p = ctx.args
         need = ctx.needs_input_grad  # result, x, weight, lora_A, lora_B, magnitude, bias
-        dx, _dW, dA, dB, dm, db = _backward(
-            saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout_p, True, fan_in_fan_out, lead,
-            (need[1], False, need[3], need[4], need[5], need[6]),
-        )
-        return None, dx, None, dA, dB, dm, db, None, None, None, None
+        with _autocast_off(dy.device.type):
+            dx, _dW, dA, dB, dm, db = _backward(
+                saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout_p, True, fan_in_fan_out, lead,
+                (need[1], False, need[3], need[4], need[5], need[6]), base_in_dx=result_is_base,
+            )
+            d_result = None
+            if not result_is_base:
+                dy2 = dy.reshape(T, d_out)
+                if keep is not None:  # y = result + (g-1)⊙(x_d·Wᵀ) + g⊙s⊙lora_d: b only through result
+                    d_result = dy2
+                    db = None if db is None else torch.zeros_like(db)
+                else:  # ∂y/∂result = g, saturated as dz is where n < eps (g up to m/1e-12)
+                    d_result = _saturated(dy2.to(n.dtype) * g, dy2.dtype)
+                    if db is not None:  # ∂y/∂b = 1 - g: Σ_t (1-g)⊙dy
+                        db = (db.to(n.dtype) - d_result.to(n.dtype).sum(0)).to(db.dtype)
+                d_result = d_result.reshape(dy.shape) if need[0] else None
+        return d_result, dx, None, dA, dB, dm, db, None, None, None, None, None
 
 
-def dora_from_base(x, result, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out=False, keep_mask=None, dropout_p=0.0):
-    """``DoRAFromBaseFunction``: y = g⊙(result - b + s·(x·Aᵀ)·Bᵀ) + b written into ``result``
-    (with a bool ``keep_mask``: PEFT's dropout form, see the class)."""
+def _saturated(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` rounded to ``dtype`` with ±inf from overflow clamped to the largest finite value."""
+    big = torch.finfo(dtype).max
+    return t.clamp(-big, big).to(dtype)
+
+
+def dora_from_base(x, result, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out=False, keep_mask=None, dropout_p=0.0,
+                   result_is_base=True):
+    """``DoRAFromBaseFunction``: y = g⊙(result - b + s·(x·Aᵀ)·Bᵀ) + b (with a bool ``keep_mask``:
+    PEFT's dropout form, see the class), written into ``result`` when ``result_is_base`` (it
+    is x·Wᵀ + b exactly), else into a new tensor. Returns y."""
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (result, x, lora_A, lora_B, magnitude, bias))):
         # No autograd: the forward alone, without the Function machinery (decode runs here).
-        _from_base_forward(result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask,
-                           dropout_p, need_saved=False)
-        return result
+        with _autocast_off(result.device.type):
+            out, _, _ = _from_base_forward(result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask,
+                                           dropout_p, need_saved=False, result_is_base=result_is_base)
+        return out
     return DoRAFromBaseFunction.apply(
-        result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask, dropout_p
+        result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask, dropout_p, result_is_base
     )

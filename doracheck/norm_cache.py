@@ -1,22 +1,37 @@
-"""Reuse the DoRA norm while W, A, B and s are unchanged.
+"""When a computed DoRA norm may be used again: the one rule, in ``lookup_or_compute``.
 
-The key is the implementation path (torch / triton) and, for each of W, A, B (and the
-magnitude, when a caller caches a value that depends on it): the tensor's identity, its data pointer and its version
-counter (bumped by every in-place write through the tensor or a view of it, including
-optimizer steps under no_grad), plus s, the layout flag, shapes, dtypes and device. An
-entry also holds weak references to the three tensors and is dropped when B is freed, so a
-new tensor that happens to reuse an address never matches.
+A norm n = ||W + s·B·A|| (rows) depends on W, A, B and s. Version counters do not see every
+write to them: fused optimizers (``torch.optim.AdamW(fused=True)``, transformers' Trainer
+default) and writes through ``p.data`` leave ``_version`` unchanged. So a version match alone
+never licenses reuse. The rule, by the kind of forward asking:
 
-This covers inference calls, gradient-accumulation micro-steps and activation-checkpoint
-recomputation. Not covered (so not cached): tensors without a version counter (inference
-tensors), torch.compile tracing (the cache is Python state; compiled graphs recompute), and
-any process where PyTorch FSDP2 (``fully_shard``) manages modules: FSDP2 all-gathers new
-values into the same unsharded parameter tensors while preserving their version counters
-(``torch.autograd._unsafe_preserve_version_counter`` in its copy-out), so after an optimizer
-step W, A and B would look unchanged. There the norm is computed in every forward, on the
-unsharded parameters.
-One hole cannot be closed cheaply: writes through ``param.data`` bypass the version counter;
-call ``clear_norm_cache()`` after such writes.
+1. **A training forward** (grad mode, outside any backward): always computes the norm. It
+   stores it for its own activation-checkpoint recompute and reads nothing stored before.
+2. **A recompute inside a backward** (checkpointing, reentrant or not: detected by autograd's
+   running graph task): reads the norm its forward stored. Nothing can legitimately write
+   the parameters between a forward and its backward.
+3. **A forward without grad mode** (evaluation, generation, reentrant checkpointing's first
+   pass): reads a stored norm only if, since it was stored, no training has happened:
+   - no ``torch.optim`` optimizer has stepped (a global step post-hook; fused, foreach and
+     for-loop optimizers alike, and every ``torch.optim.Optimizer`` subclass);
+   - no doracheck backward has run (a backward is what a tutorial ``p.data -= lr*p.grad``
+     update follows); a backward ends the era at the next forward outside a backward;
+   - the tensors are the same objects, at the same address, with the same version counter,
+     s, layout, shape, dtype and device (in-place writes under ``no_grad``, ``load_state_dict``).
+
+So training pays one norm per forward (a gradient-accumulation micro-step included) and none
+per checkpoint recompute; inference and decode pay one norm until the model is trained or
+written. Two writes nothing can see: ``param.data`` (or ``set_``) between two forwards with
+no backward and no optimizer step between them (hand-editing adapters between inference
+calls), and ``param.data`` updates in a loop whose backward torch.compile compiled (a
+compiled backward cannot record that it ran; a ``torch.optim`` step still ends the era).
+Call ``clear_norm_cache()`` after them. Not cached at all: tensors without a version
+counter (inference tensors), torch.compile tracing (a compiled graph recomputes), and
+processes where FSDP2 (``fully_shard``) manages modules, since FSDP2 all-gathers new values
+into the same unsharded tensors with their version counters preserved.
+
+Entries hold weak references to W, A, B and are dropped when B is freed, so a new tensor
+that reuses an address never matches.
 """
 
 from __future__ import annotations
@@ -26,11 +41,45 @@ import weakref
 from collections import OrderedDict
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 MAX_ENTRIES = 4096
 _lock = threading.RLock()  # re-entrant: the weakref callback may run inside a locked section
 _entries: OrderedDict[int, tuple] = OrderedDict()
 _stats = {"hits": 0, "misses": 0}
+
+# The training era: a stored norm is read across forwards only within the era it was stored in.
+_era = {"number": 0, "backward_seen": False}
+
+
+def _end_era() -> None:
+    _era["number"] += 1
+    _era["backward_seen"] = False
+
+
+def _on_optimizer_step(_optimizer, _args, _kwargs) -> None:
+    _end_era()
+
+
+_OPTIMIZER_HOOK = register_optimizer_step_post_hook(_on_optimizer_step)
+
+
+def note_backward() -> None:
+    """Called by every doracheck backward: parameters may be written once it is done, so the
+    next forward outside a backward starts a new era. Not while torch.compile traces (a
+    compiled graph cannot mutate Python state; compiled forwards store nothing either)."""
+    if not _compiling():
+        _era["backward_seen"] = True
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return compiler is not None and compiler.is_compiling()
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward on this thread (where checkpoint recomputes run)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _fingerprint(t: torch.Tensor):
@@ -97,31 +146,37 @@ def fsdp_active() -> bool:
 
 
 def _cacheable() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    if compiler is not None and compiler.is_compiling():
-        return False
-    return not fsdp_active()
+    return not _compiling() and not fsdp_active()
 
 
-def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, *, magnitude=None, tag=""):
-    """Return the cached value for these tensors' current contents, or ``compute()`` and cache
-    it. With ``magnitude`` the value may depend on it too (its version is part of the key);
-    ``tag`` (the implementation path) is part of the key, so paths never share entries."""
+def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, *, recording, magnitude=None, tag=""):
+    """The stored value for these tensors if the module rule allows reusing it, else
+    ``compute()`` (stored for later). ``recording``: the caller's forward is recorded by
+    autograd (a training forward; inside an autograd Function's forward grad mode is off, so
+    the caller says). With ``magnitude`` the value may depend on it too (its version is part
+    of the key); ``tag`` (the implementation path) is part of the key, so paths never share
+    entries."""
     if not _cacheable():
         return compute()
     key = _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude)
-    key = None if key is None else (*key, tag)
     if key is None:
         return compute()
+    in_backward = _in_backward()
+    if not in_backward and _era["backward_seen"]:
+        _end_era()
+    era = _era["number"]
+    key = (*key, tag, era)
     slot = id(lora_B)
-    with _lock:
-        entry = _entries.get(slot)
-        if entry is not None:
-            refs, entry_key, value = entry
-            if entry_key == key and refs[0]() is weight and refs[1]() is lora_A and refs[2]() is lora_B:
-                _entries.move_to_end(slot)
-                _stats["hits"] += 1
-                return value
+    may_read = in_backward or not recording  # rule 1: a training forward never reads
+    if may_read:
+        with _lock:
+            entry = _entries.get(slot)
+            if entry is not None:
+                refs, entry_key, value = entry
+                if entry_key == key and refs[0]() is weight and refs[1]() is lora_A and refs[2]() is lora_B:
+                    _entries.move_to_end(slot)
+                    _stats["hits"] += 1
+                    return value
     value = compute()
     refs = (weakref.ref(weight), weakref.ref(lora_A), weakref.ref(lora_B, lambda _r, s=slot: _forget(s)))
     with _lock:
@@ -139,12 +194,13 @@ def _forget(slot: int) -> None:
 
 
 def clear_norm_cache() -> None:
-    """Drop every cached norm (needed only after writes through ``.data``)."""
+    """Drop every stored norm (needed only after writes through ``.data`` between two
+    forwards with no backward and no optimizer step between them)."""
     with _lock:
         _entries.clear()
 
 
 def norm_cache_stats() -> dict:
-    """{"hits", "misses", "entries"} since start (for tests and benchmarks)."""
+    """{"hits", "misses", "entries", "era"} since start (for tests and benchmarks)."""
     with _lock:
-        return {**_stats, "entries": len(_entries)}
+        return {**_stats, "entries": len(_entries), "era": _era["number"]}

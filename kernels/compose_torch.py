@@ -77,3 +77,20 @@ def _finish_dm(S: torch.Tensor, g: torch.Tensor, n: torch.Tensor, from_output: b
     gf = g.to(acc)
     lost = torch.where(n_safe > EPS, torch.full_like(S, float("nan")), torch.zeros_like(S))
     return torch.where(gf == 0, lost, S / torch.where(gf == 0, torch.ones_like(gf), gf * n_safe))
+
+
+def dm_lost_rows_torch(
+    dm: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, weight_rows: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor,
+    g: torch.Tensor, n: torch.Tensor, scaling: float, *, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The torch twin of ``lost_rows_triton.dm_lost_rows_triton``: dm_i = Σ_t dy_ti·z_ti /
+    max(n_i, eps) recomputed from x, W, xa, B where g_i = 0 and n_i >= eps (z_i is not
+    recoverable from the output there); other entries unchanged."""
+    acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
+    lost = ((g == 0) & (n >= EPS)).nonzero().squeeze(1)
+    result = out if out is not None else dm.clone()
+    if lost.numel() == 0 or dy.shape[0] == 0:
+        return result
+    z = x.to(acc) @ weight_rows[lost].to(acc).t() + float(scaling) * (xa.to(acc) @ lora_B[lost].to(acc).t())
+    result[lost] = ((dy[:, lost].to(acc) * z).sum(0) / n[lost].to(acc).clamp_min(EPS)).to(result.dtype)
+    return result

@@ -23,6 +23,8 @@ Ops (namespace ``doracheck``):
   z = base + s·lora (with ``base_has_bias`` base is x·Wᵀ + b, as a PEFT base layer returns it)
 - ``lora_up_compose_dropout(base, base_dropped, xa, lora_B, g, bias?, scaling) -> (y, z_d)``
 - ``grad_scale_dm(dy, saved, g, n, bias?, from_output, final_dm, reduce) -> (dz, dm_sum or dm, or their partials)``
+- ``dm_lost_rows(dm, dy, x, weight_rows, xa, lora_B, g, n, scaling) -> dm`` with the features whose
+  z the saved output lost (g = 0, n >= eps) recomputed (``dm_lost_rows_`` in eager: in place)
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 from torch.library import triton_op
 
 from .compose_triton import grad_scale_dm_triton, lora_up_compose_triton
+from .lost_rows_triton import dm_lost_rows_triton
 from .norm_triton import factored_norm_triton
 from .triton_common import tracing
 
@@ -103,11 +106,27 @@ def _grad_scale_dm(
     return grad_scale_dm_triton(dy, saved, g, n, bias, from_output=from_output, final_dm=final_dm, reduce=reduce)
 
 
+def _dm_lost_rows_(
+    dm: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, weight_rows: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor,
+    g: torch.Tensor, n: torch.Tensor, scaling: float,
+) -> torch.Tensor:
+    """Eager only: the lost features written in place into ``dm``, which is returned."""
+    return dm_lost_rows_triton(dm, dy, x, weight_rows, xa, lora_B, g, n, scaling, out=dm)
+
+
+def _dm_lost_rows(
+    dm: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, weight_rows: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor,
+    g: torch.Tensor, n: torch.Tensor, scaling: float,
+) -> torch.Tensor:
+    return dm_lost_rows_triton(dm, dy, x, weight_rows, xa, lora_B, g, n, scaling)
+
+
 factored_norm_op = triton_op("doracheck::factored_norm", _factored_norm, mutates_args=())
 lora_up_compose_op = triton_op("doracheck::lora_up_compose", _lora_up_compose, mutates_args=())
 lora_up_compose_save_z_op = triton_op("doracheck::lora_up_compose_save_z", _lora_up_compose_save_z, mutates_args=())
 lora_up_compose_dropout_op = triton_op("doracheck::lora_up_compose_dropout", _lora_up_compose_dropout, mutates_args=())
 grad_scale_dm_op = triton_op("doracheck::grad_scale_dm", _grad_scale_dm, mutates_args=())
+dm_lost_rows_op = triton_op("doracheck::dm_lost_rows", _dm_lost_rows, mutates_args=())
 
 _EAGER: dict[str, Callable[..., Any]] = {
     "factored_norm": _factored_norm,
@@ -115,10 +134,13 @@ _EAGER: dict[str, Callable[..., Any]] = {
     "lora_up_compose_save_z_": _lora_up_compose_save_z_,
     "lora_up_compose_dropout": _lora_up_compose_dropout,
     "grad_scale_dm": _grad_scale_dm,
+    "dm_lost_rows_": _dm_lost_rows_,
 }
 
 
-_TRACED = {"lora_up_compose_": "lora_up_compose", "lora_up_compose_save_z_": "lora_up_compose_save_z"}
+_TRACED = {
+    "lora_up_compose_": "lora_up_compose", "lora_up_compose_save_z_": "lora_up_compose_save_z", "dm_lost_rows_": "dm_lost_rows",
+}
 
 
 def compose_infer_(

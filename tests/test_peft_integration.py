@@ -18,48 +18,17 @@ import torch
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
+from peft_models import TARGETS, cosine, dora_model, tiny_llama, tokens  # noqa: E402
+
 from doracheck.dispatch import use_path  # noqa: E402
 from doracheck.integrations.peft import disable, enable, enabled_adapters  # noqa: E402
 from doracheck.reference import rel_l2  # noqa: E402
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.fixture(autouse=True)
 def _torch_path():
     with use_path("torch"):
         yield
-
-
-def tiny_llama(seed: int = 0):
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
-def dora_model(seed: int = 0, dropout: float = 0.0, **config):
-    model = peft.get_peft_model(
-        tiny_llama(seed), peft.LoraConfig(r=8, lora_alpha=16, use_dora=True, target_modules=TARGETS, lora_dropout=dropout, **config)
-    )
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-            elif "lora_magnitude_vector" in name:
-                p.mul_(1 + 0.01 * torch.randn(p.shape, generator=gen))
-    return model
-
-
-def tokens(seed: int = 0, batch: int = 2, length: int = 12):
-    return torch.randint(0, 96, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def cosine(a, b):
-    return float(torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
 
 
 def test_enable_routes_every_dora_linear_and_disable_restores():

@@ -45,9 +45,13 @@ class DoracheckDoraLinearVariant(DoraLinearVariant):
         dropout = module.lora_dropout[active_adapter]
         dropout_active = module.training and not isinstance(dropout, nn.Identity)
         p = float(getattr(dropout, "p", 0.0))
+        # PEFT's loop hands the first active adapter the base output x·Wᵀ + b and every later
+        # one the sum so far; only the first may rewrite it in place and skip the base backward.
+        first = next((name for name in module.active_adapters if name in module.lora_A), None)
+        result_is_base = first == active_adapter
         if (
             weight.requires_grad
-            or not result.is_contiguous()
+            or (result_is_base and not result.is_contiguous())
             or any(v is not None for v in kwargs.values())
             or (dropout_active and not isinstance(dropout, nn.Dropout))
         ):
@@ -68,6 +72,7 @@ class DoracheckDoraLinearVariant(DoraLinearVariant):
             module.fan_in_fan_out,
             keep,
             p if keep is not None else 0.0,
+            result_is_base,
         )
 
 

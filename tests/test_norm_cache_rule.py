@@ -1,0 +1,139 @@
+"""The norm-reuse rule of ``doracheck.norm_cache`` (its module docstring), call by call.
+
+Counted through ``norm_cache_stats``: which forwards compute the norm (a miss) and which reuse
+a stored one (a hit), and that a reused norm is never stale after the writes that version
+counters do not see (fused optimizers, ``p.data``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils.checkpoint as checkpoint
+
+import doracheck
+from doracheck.dispatch import use_path
+from doracheck.norm_cache import clear_norm_cache, norm_cache_stats
+from doracheck.reference import dora_forward_ref, rel_l2
+
+
+@pytest.fixture(autouse=True)
+def _torch_path():
+    clear_norm_cache()
+    with use_path("torch"):
+        yield
+    clear_norm_cache()
+
+
+def params(seed=0, d_in=10, d_out=8, r=3):
+    gen = torch.Generator().manual_seed(seed)
+    W = torch.randn(d_out, d_in, generator=gen)
+    A = (torch.randn(r, d_in, generator=gen) * 0.3).requires_grad_()
+    B = (torch.randn(d_out, r, generator=gen) * 0.3).requires_grad_()
+    m = (W.norm(dim=1) * 1.1).requires_grad_()
+    return W, A, B, m
+
+
+def call(x, W, A, B, m):
+    return doracheck.dora_linear(x, W, A, B, m, 2.0)
+
+
+def counts():
+    stats = norm_cache_stats()
+    return stats["hits"], stats["misses"]
+
+
+def delta(before):
+    hits, misses = counts()
+    return hits - before[0], misses - before[1]
+
+
+def fresh_output(x, W, A, B, m):
+    return dora_forward_ref(x.double(), W.double(), A.detach().double(), B.detach().double(), m.detach().double(), 2.0)
+
+
+def test_training_forwards_always_compute():
+    W, A, B, m = params()
+    x = torch.randn(4, 10)
+    before = counts()
+    call(x, W, A, B, m)
+    call(x, W, A, B, m)
+    assert delta(before) == (0, 2)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_recompute_reuses_its_forwards_norm(reentrant):
+    W, A, B, m = params()
+    x = torch.randn(4, 10, requires_grad=True)
+    before = counts()
+    y = checkpoint.checkpoint(lambda t: call(t, W, A, B, m), x, use_reentrant=reentrant)
+    y.square().sum().backward()
+    assert delta(before) == (1, 1)  # the forward computed, the recompute inside the backward reused
+
+
+def test_inference_reuses_until_something_could_have_written():
+    W, A, B, m = params()
+    x = torch.randn(4, 10)
+    with torch.no_grad():
+        before = counts()
+        call(x, W, A, B, m)
+        call(x, W, A, B, m)
+        assert delta(before) == (1, 1)
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach", "for-loop"])
+def test_an_optimizer_step_ends_reuse(kind):
+    W, A, B, m = params()
+    x = torch.randn(4, 10)
+    options = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[kind]
+    opt = torch.optim.AdamW([A, B, m], lr=0.1, **options)
+    with torch.no_grad():
+        call(x, W, A, B, m)
+    for p in (A, B, m):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    before = counts()
+    with torch.no_grad():
+        y = call(x, W, A, B, m)
+    assert delta(before) == (0, 1)
+    assert rel_l2(y, fresh_output(x, W, A, B, m)) <= 1e-6
+
+
+def test_a_backward_ends_reuse_so_pdata_updates_are_seen():
+    """The tutorial loop writes through ``.data`` after a backward: no counter sees it."""
+    W, A, B, m = params()
+    x = torch.randn(4, 10)
+    with torch.no_grad():
+        call(x, W, A, B, m)
+    call(x, W, A, B, m).square().sum().backward()
+    for p in (A, B):
+        p.data -= 0.5 * p.grad
+    before = counts()
+    with torch.no_grad():
+        y = call(x, W, A, B, m)
+    assert delta(before) == (0, 1)
+    assert rel_l2(y, fresh_output(x, W, A, B, m)) <= 1e-6
+
+
+def test_in_place_write_under_no_grad_is_seen_by_the_version_counter():
+    W, A, B, m = params()
+    x = torch.randn(4, 10)
+    with torch.no_grad():
+        call(x, W, A, B, m)
+        B.mul_(1.5)
+        y = call(x, W, A, B, m)
+    assert rel_l2(y, fresh_output(x, W, A, B, m)) <= 1e-6
+
+
+def test_clear_norm_cache_after_a_bare_data_write():
+    """The one write nothing sees (the module docstring says so): ``.data`` between two
+    inference calls with no backward and no step between; ``clear_norm_cache`` is the remedy."""
+    W, A, B, m = params()
+    x = torch.randn(4, 10)
+    with torch.no_grad():
+        call(x, W, A, B, m)
+    B.data.mul_(1.5)
+    clear_norm_cache()
+    with torch.no_grad():
+        y = call(x, W, A, B, m)
+    assert rel_l2(y, fresh_output(x, W, A, B, m)) <= 1e-6
