@@ -2,8 +2,9 @@
 
 Model: transformers LlamaConfig (hidden 4096, intermediate 14336, 32 heads, 8 KV heads,
 4 layers, bf16, random weights); adapters r = 384, alpha = 768 on every linear layer.
-Per implementation, in one process: training step (forward + backward, optimizer excluded,
-gradient checkpointing on, sequence 4096, batch 1) median ms and peak GiB; inference forward
+Per implementation, in one process: training step (forward + backward, plus ``optimizer.step()``
+with ``--optimizer adamw_fused|adamw_foreach``; ``none``, the default, excludes it; gradient
+checkpointing on, sequence 4096, batch 1) median ms and peak GiB; inference forward
 ms; decode tokens/s (batch 1, greedy, ``--new-tokens`` tokens with the KV cache).
 
 Implementations: peft_lora_fp32/bf16 (use_dora=False), peft_dora_fp32/bf16 (PEFT DoRA with its
@@ -88,9 +89,15 @@ def measure(impl: str, args) -> dict:
     ids = torch.randint(0, 32000, (1, args.seq), generator=torch.Generator().manual_seed(1)).to(dev)
     params = [p for p in model.parameters() if p.requires_grad]
 
+    opt = None
+    if args.optimizer != "none":  # a training step as users run it: the update makes every norm stale
+        opt = torch.optim.AdamW(params, lr=1e-5, fused=args.optimizer == "adamw_fused", foreach=args.optimizer == "adamw_foreach")
+
     def step():
         model.train()
         model(ids, labels=ids).loss.backward()
+        if opt is not None:
+            opt.step()
         for p in params:
             p.grad = None
 
@@ -141,6 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--csv")
+    ap.add_argument("--optimizer", default="none", choices=["none", "adamw_fused", "adamw_foreach"],
+                    help="include optimizer.step() in the training step (none: forward + backward only, as labelled)")
     ap.add_argument("--device", default="cuda", help="cuda for figures; cpu only for a smoke run at tiny sizes")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -153,7 +162,7 @@ def main(argv=None) -> int:
     out = RowWriter(args.csv)
     for impl in args.impls.split(","):
         row = measure(impl, args)
-        row.update(gpu=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__, triton=triton.__version__,
+        row.update(optimizer=args.optimizer, gpu=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__, triton=triton.__version__,
                    peft=peft.__version__, transformers=transformers.__version__)
         out.add(row)
         print(row, flush=True)

@@ -514,9 +514,9 @@ def dora_linear_autograd(x, weight, lora_A, lora_B, magnitude, scaling, bias, ke
 
 
 def _from_base_forward(result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask, dropout_p, *,
-                       need_saved, result_is_base=True):
+                       need_saved, in_place=True):
     """The DoRA output from ``result`` (see ``DoRAFromBaseFunction``): written into ``result``
-    itself when ``result_is_base``, else into a new tensor. Returns (y, the tensors a backward
+    itself when ``in_place``, else into a new tensor. Returns (y, the tensors a backward
     needs, flags). ``need_saved=False`` (no autograd): inference on the Triton path forms
     g = m / n inside the compose kernel and nothing is kept."""
     from doracheck.kernels import ops
@@ -529,10 +529,9 @@ def _from_base_forward(result, x, weight, lora_A, lora_B, magnitude, bias, scali
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.dtype == cd else x2.to(cd)
     T = x2.shape[0]
-    # T from x: with d_out = 0, view(-1, 0) would be ambiguous. A result that is not the base
-    # output is copied first: the caller's tensor may be saved by the adapter that wrote it.
-    r2 = result.view(T, d_out) if result_is_base else result.reshape(T, d_out).clone(memory_format=torch.contiguous_format)
-    out = result if result_is_base else r2.view(result.shape)
+    # T from x: with d_out = 0, view(-1, 0) would be ambiguous.
+    r2 = result.view(T, d_out) if in_place else result.reshape(T, d_out).clone(memory_format=torch.contiguous_format)
+    out = result if in_place else r2.view(result.shape)
     triton_path = _use_triton(x2, weight, lora_A, lora_B, magnitude, bias)
     g_in_kernel = triton_path and not need_saved and keep_mask is None
     fn, g, n_safe = _norm_and_scale(
@@ -599,6 +598,11 @@ class DoRAFromBaseFunction(torch.autograd.Function):
     gradient to ``result``, so the base layer's own backward (another d_out×d_in GEMM) never
     runs. Only for frozen W (the caller checks).
 
+    While torch.compile traces, y is a new tensor either way (``in_place=False``): a compiled
+    region whose input ``result`` an autograd Function rewrites in place (marked dirty) was
+    seen to train a different model (the variant's forward compiled as a frame of its own,
+    after PEFT's Linear.forward had been skipped by an earlier compile).
+
     ``result_is_base=False`` (result carries an earlier adapter's output too): y is a new
     tensor (the earlier adapter may have saved ``result``), ``result`` gets its gradient
     (g⊙dy; dy with dropout), dx only this adapter's own terms, and a trainable bias the part
@@ -607,15 +611,15 @@ class DoRAFromBaseFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask=None, dropout_p=0.0,
-                result_is_base=True):
+                result_is_base=True, in_place=True):
         # ``result`` comes first: when it is a view (F.linear on 3-D input), autograd rebases its
         # history through CopySlices, which takes the dirty tensor's gradient from slot 0.
         with _autocast_off(result.device.type):
             out, tensors, flags = _from_base_forward(
                 result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask, dropout_p,
-                need_saved=True, result_is_base=result_is_base,
+                need_saved=True, in_place=in_place,
             )
-        if result_is_base:
+        if in_place:
             ctx.mark_dirty(result)
         ctx.save_for_backward(*tensors, weight, lora_A, lora_B, magnitude, bias)
         ctx.flags = (*flags, result_is_base)
@@ -649,7 +653,7 @@ class DoRAFromBaseFunction(torch.autograd.Function):
                     if db is not None:  # ∂y/∂b = 1 - g: Σ_t (1-g)⊙dy
                         db = (db.to(n.dtype) - d_result.to(n.dtype).sum(0)).to(db.dtype)
                 d_result = d_result.reshape(dy.shape) if need[0] else None
-        return d_result, dx, None, dA, dB, dm, db, None, None, None, None, None
+        return d_result, dx, None, dA, dB, dm, db, None, None, None, None, None, None
 
 
 def _saturated(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -662,13 +666,16 @@ def dora_from_base(x, result, weight, lora_A, lora_B, magnitude, bias, scaling, 
                    result_is_base=True):
     """``DoRAFromBaseFunction``: y = g⊙(result - b + s·(x·Aᵀ)·Bᵀ) + b (with a bool ``keep_mask``:
     PEFT's dropout form, see the class), written into ``result`` when ``result_is_base`` (it
-    is x·Wᵀ + b exactly), else into a new tensor. Returns y."""
+    is x·Wᵀ + b exactly) and nothing traces, else into a new tensor. Returns y."""
+    from doracheck.kernels.tracing import tracing
+
+    in_place = result_is_base and not tracing()
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (result, x, lora_A, lora_B, magnitude, bias))):
         # No autograd: the forward alone, without the Function machinery (decode runs here).
         with _autocast_off(result.device.type):
             out, _, _ = _from_base_forward(result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask,
-                                           dropout_p, need_saved=False, result_is_base=result_is_base)
+                                           dropout_p, need_saved=False, in_place=in_place)
         return out
     return DoRAFromBaseFunction.apply(
-        result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask, dropout_p, result_is_base
+        result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask, dropout_p, result_is_base, in_place
     )

@@ -18,6 +18,7 @@ import doracheck
 from doracheck.dispatch import use_path
 from doracheck.implementations import doracheck_implementation
 from doracheck.properties import Implementation, all_budgets, device_family, props
+from doracheck.properties.problems import make_problem
 from doracheck.properties.strategies import problems
 from doracheck.reference import naive_compose, peft_style_dora
 
@@ -124,3 +125,23 @@ def test_budget_rows_can_fail():
 
 def test_public_api_is_what_verify_runs():
     assert IMPL.factored_norm is not None and IMPL.module_cls is doracheck.DoRALinear
+
+
+@pytest.mark.parametrize("relative", [1e-3, 1e-2])
+def test_permutation_property_catches_a_position_dependent_error(relative):
+    """The permutation allowance (the platform's own movement plus the a-priori reorder bound
+    of the norm) still fails an output that depends on a feature's position: the last output
+    column off by ``relative``."""
+
+    def positional(x, weight, *args, **kwargs):
+        y = doracheck.dora_linear(x, weight, *args, **kwargs)
+        bump = torch.ones(y.shape[-1], dtype=y.dtype)
+        bump[-1] += relative
+        return y * bump
+
+    problem = make_problem(16, 33, 8, 9, torch.float32, seed=11)
+    results = props.metamorphic(Implementation("positional", positional), problem, FAMILY)
+    perm = next(r for r in results if r.prop == "meta.permutation")
+    assert perm.status == "FAIL", perm
+    clean = next(r for r in props.metamorphic(IMPL, problem, FAMILY) if r.prop == "meta.permutation")
+    assert clean.status == "pass", clean
