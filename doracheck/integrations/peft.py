@@ -89,7 +89,10 @@ def _why_not(module: nn.Module, adapter: str) -> str | None:
 
 
 def enable(model: nn.Module) -> nn.Module:
-    """Route every PEFT DoRA Linear adapter of ``model`` through doracheck; returns the model."""
+    """Route every PEFT DoRA Linear adapter of ``model`` through doracheck, in place; says at
+    INFO (logger "doracheck") how many adapters it routed and which stay on PEFT's path and
+    why. Returns the model (the fixed API: ``model = enable(model)``); call it as a statement
+    with ``_ =`` in a REPL that would print the returned model."""
     accelerated = 0
     skipped: dict[str, list[str]] = {}
     for name, module in model.named_modules():
@@ -110,9 +113,10 @@ def enable(model: nn.Module) -> nn.Module:
             module.__dict__.setdefault(_ORIGINALS, {})[adapter] = variant
             variants[adapter] = DoracheckDoraLinearVariant()
             accelerated += 1
+    left = sum(len(where) for where in skipped.values())
+    logger.info("doracheck: %d DoRA Linear adapters now run through doracheck, %d stay on PEFT's path", accelerated, left)
     for reason, where in skipped.items():
         logger.info("doracheck: %d DoRA adapters stay on PEFT's path (%s), e.g. %s", len(where), reason, where[0])
-    logger.debug("doracheck: %d DoRA Linear adapters run through doracheck", accelerated)
     return model
 
 
