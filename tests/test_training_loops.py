@@ -12,10 +12,17 @@ same initial parameters on the same batches, with the same loop, and compares:
 On the CPU these run in fp32 on the torch path; under ``-m gpu`` the same loops run in bf16 on
 the Triton path (``test_gpu_*``), against PEFT on the same GPU in the same dtype.
 
-Measured on this machine (CPU, fp32, torch 2.13, PEFT 0.21): losses agree to <= 3e-7
-relative, parameters after 12 AdamW steps (lr 1e-2) to <= 2e-6, outputs on the same
-parameters to <= 4e-7. Before the norm-cache rule: fused AdamW 43% parameter gap
-(issue table); the same test here fails at the first optimizer step.
+What Adam makes of rounding: Adam divides each update by sqrt(v), so an fp32 rounding
+difference in a gradient element near 0 turns into a step of about lr in either direction.
+PEFT itself, trained in fp32 and in fp64 from the same start with the same loop (12 fused AdamW
+steps, lr 1e-2), ends 7.2e-5 apart on one lora_B (measured here, CPU, torch 2.13, PEFT 0.21).
+So the parameter check is a baseline ratio: where a test trains that fp64 PEFT reference,
+doracheck may be at most 2× PEFT's own fp32-to-fp64 distance (+1e-6) from PEFT; elsewhere
+(Trainer, resume, dropout, compile) at most ``PARAM_RTOL``, twice that measured distance.
+
+Measured here: losses agree to 1.1e-7 relative, parameters to 5.8e-5 (the same lora_B),
+outputs on the same parameters to 2.5e-7. On the code before the norm-reuse rule 16 of these
+tests fail (fused optimizers, Trainer, p.data, checkpointing, two adapters, compile, d_out = 0).
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ from doracheck.reference import rel_l2  # noqa: E402
 
 LOSS_RTOL = 1e-5  # issue 14: per-step loss within 1e-5 relative
 OUTPUT_RTOL = 1e-5  # trained model against PEFT's forward on the same parameters
-PARAM_RTOL = 1e-4  # Adam divides by sqrt(v): fp32 rounding in a gradient near 0 becomes O(lr·1e-7/|g|); measured <= 2e-6
+PARAM_RTOL = 1.5e-4  # 2 x PEFT fp32 vs PEFT fp64 after 12 fused AdamW steps (7.2e-5, module docstring)
+PARAM_FLOOR = 1e-6  # below this, parameter distances are representation noise
 STEPS = 12
 LR = 1e-2
 
@@ -89,13 +97,24 @@ def pdata_loop(model, data):
     return losses
 
 
-def assert_same_training(plain, ours, losses_plain, losses_ours, eval_ids, param_rtol=PARAM_RTOL):
+def assert_same_training(plain, ours, losses_plain, losses_ours, eval_ids, reference64=None):
+    """Losses step by step, parameters (against 2× PEFT's own fp32-to-fp64 distance when the
+    fp64 reference trained, else ``PARAM_RTOL``), and the output on the same parameters."""
     assert len(losses_plain) == len(losses_ours)
     for step, (a, b) in enumerate(zip(losses_plain, losses_ours)):
         assert abs(a - b) <= LOSS_RTOL * abs(a), f"step {step}: loss {b} against PEFT's {a}"
+    bound = PARAM_RTOL
+    if reference64 is not None:
+        rounding = max(rel_l2(p, r) for (_, p), (_, r) in zip(trainable(plain), trainable(reference64)))
+        bound = 2 * rounding + PARAM_FLOOR
     for (name, p), (_, q) in zip(trainable(plain), trainable(ours)):
-        assert rel_l2(q, p) <= param_rtol, f"{name}: relative distance {rel_l2(q, p):.3e} after training"
+        assert rel_l2(q, p) <= bound, f"{name}: relative distance {rel_l2(q, p):.3e} after training, bound {bound:.3e}"
     assert_output_is_pefts(ours, eval_ids)
+
+
+def fp64_copy(plain):
+    """PEFT's model in float64 from the same start: the reference for what rounding makes."""
+    return copy.deepcopy(plain).double()
 
 
 def assert_output_is_pefts(ours, ids):
@@ -132,16 +151,18 @@ def _logits(model, ids, *, grad: bool):
 )
 def test_optimizer_loops_train_the_same_model(name, make_opt, accumulate, set_to_none):
     plain, ours = pair(seed=1)
+    reference = fp64_copy(plain)
     data = batches(STEPS)
-    losses = [step_loop(m, make_opt(m), data, accumulate=accumulate, set_to_none=set_to_none) for m in (plain, ours)]
-    assert_same_training(plain, ours, *losses, eval_ids=tokens(seed=7))
+    losses = [step_loop(m, make_opt(m), data, accumulate=accumulate, set_to_none=set_to_none) for m in (plain, ours, reference)]
+    assert_same_training(plain, ours, *losses[:2], eval_ids=tokens(seed=7), reference64=reference)
 
 
 def test_tutorial_pdata_loop_trains_the_same_model():
     plain, ours = pair(seed=2)
+    reference = fp64_copy(plain)
     data = batches(STEPS)
-    losses = [pdata_loop(m, data) for m in (plain, ours)]
-    assert_same_training(plain, ours, *losses, eval_ids=tokens(seed=7))
+    losses = [pdata_loop(m, data) for m in (plain, ours, reference)]
+    assert_same_training(plain, ours, *losses[:2], eval_ids=tokens(seed=7), reference64=reference)
 
 
 def test_eval_between_fused_steps_never_serves_an_old_norm():
@@ -168,9 +189,10 @@ def test_gradient_checkpointing_with_fused_adamw(reentrant):
         m.train()
         if reentrant:  # reentrant checkpointing needs an input that requires grad
             m.base_model.model.enable_input_require_grads()
+    reference = fp64_copy(plain)
     data = batches(6)
-    losses = [step_loop(m, adamw(m, fused=True), data) for m in (plain, ours)]
-    assert_same_training(plain, ours, *losses, eval_ids=tokens(seed=7))
+    losses = [step_loop(m, adamw(m, fused=True), data) for m in (plain, ours, reference)]
+    assert_same_training(plain, ours, *losses[:2], eval_ids=tokens(seed=7), reference64=reference)
 
 
 def test_lora_dropout_training():
@@ -403,3 +425,21 @@ def test_gpu_two_active_adapters_in_bf16():
             assert q.grad is not None, name
             # A missing gradient is 1.0 away, the old wrong ones 0.14-0.45; bf16 rounding ~1e-2.
             assert rel_l2(q.grad, p.grad) <= 3e-2, f"{name}: {rel_l2(q.grad, p.grad):.3e}"
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test above runs the Triton path natively")
+def test_two_active_adapters_on_the_triton_path_under_the_interpreter():
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest on machines without CUDA)")
+    plain = dora_model(seed=23)
+    _set_two_adapters(plain)
+    ours = enable(copy.deepcopy(plain))
+    ids = tokens(seed=12, batch=1, length=5)
+    plain(ids, labels=ids).loss.backward()
+    with use_path("triton"):
+        ours(ids, labels=ids).loss.backward()
+    for (name, p), (_, q) in zip(trainable(plain), trainable(ours)):
+        assert q.grad is not None and rel_l2(q.grad, p.grad) <= 1e-5, name
