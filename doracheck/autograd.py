@@ -514,7 +514,7 @@ def dora_linear_autograd(x, weight, lora_A, lora_B, magnitude, scaling, bias, ke
 
 
 def _from_base_forward(result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask, dropout_p, *,
-                       need_saved, in_place=True):
+                       need_saved, in_place=True, result_is_base=True):
     """The DoRA output from ``result`` (see ``DoRAFromBaseFunction``): written into ``result``
     itself when ``in_place``, else into a new tensor. Returns (y, the tensors a backward
     needs, flags). ``need_saved=False`` (no autograd): inference on the Triton path forms
@@ -564,7 +564,9 @@ def _from_base_forward(result, x, weight, lora_A, lora_B, magnitude, bias, scali
             lora = (xa @ B.t()).to(acc)
             r2.copy_(r2.to(acc) + (g - 1.0) * base_d.to(acc) + (g * s) * lora)
             saved_h = (base_d.to(acc) + s * lora).to(cd)
-    elif triton_path and bias is None:
+    elif triton_path and bias is None and result_is_base:
+        # z = y / g only where result is x·Wᵀ exactly: the backward's lost-row pass recomputes
+        # z from x and W where g = 0, which a result carrying other adapters would contradict.
         y = ops.call("lora_up_compose_", r2, xa, lora_B, g, None, s)
         if y is not r2:  # traced: the functional op returned a new tensor
             r2.copy_(y)
@@ -617,7 +619,7 @@ class DoRAFromBaseFunction(torch.autograd.Function):
         with _autocast_off(result.device.type):
             out, tensors, flags = _from_base_forward(
                 result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask, dropout_p,
-                need_saved=True, in_place=in_place,
+                need_saved=True, in_place=in_place, result_is_base=result_is_base,
             )
         if in_place:
             ctx.mark_dirty(result)
@@ -674,7 +676,7 @@ def dora_from_base(x, result, weight, lora_A, lora_B, magnitude, bias, scaling, 
         # No autograd: the forward alone, without the Function machinery (decode runs here).
         with _autocast_off(result.device.type):
             out, _, _ = _from_base_forward(result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask,
-                                           dropout_p, need_saved=False, in_place=in_place)
+                                           dropout_p, need_saved=False, in_place=in_place, result_is_base=result_is_base)
         return out
     return DoRAFromBaseFunction.apply(
         result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask, dropout_p, result_is_base, in_place

@@ -11,11 +11,12 @@ never licenses reuse. The rule, by the kind of forward asking:
    running graph task): reads the norm its forward stored. Nothing can legitimately write
    the parameters between a forward and its backward.
 3. **A forward without grad mode** (evaluation, generation, reentrant checkpointing's first
-   pass): reads a stored norm only if, since it was stored, no training has happened:
+   pass) reads a stored norm only if, since it was stored, no training has happened:
    - no ``torch.optim`` optimizer has stepped (a global step post-hook; fused, foreach and
      for-loop optimizers alike, and every ``torch.optim.Optimizer`` subclass);
-   - no doracheck backward has run (a backward is what a tutorial ``p.data -= lr*p.grad``
-     update follows); a backward ends the era at the next forward outside a backward;
+   - no doracheck backward has run: once one has, parameters may be written by hand at any
+     time (a tutorial ``p.data -= lr*p.grad``), so until the next optimizer step or training
+     forward starts a new era, a forward without grad mode neither reads nor stores;
    - the tensors are the same objects, at the same address, with the same version counter,
      s, layout, shape, dtype and device (in-place writes under ``no_grad``, ``load_state_dict``).
 
@@ -65,8 +66,9 @@ _OPTIMIZER_HOOK = register_optimizer_step_post_hook(_on_optimizer_step)
 
 
 def note_backward() -> None:
-    """Called by every doracheck backward: parameters may be written once it is done, so the
-    next forward outside a backward starts a new era. Not while torch.compile traces (a
+    """Called by every doracheck backward: parameters may be written once it is done, so no
+    norm is reused outside a backward until an optimizer step or a training forward starts a
+    new era. Not while torch.compile traces (a
     compiled graph cannot mutate Python state; compiled forwards store nothing either)."""
     if not _compiling():
         _era["backward_seen"] = True
@@ -163,7 +165,11 @@ def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, 
         return compute()
     in_backward = _in_backward()
     if not in_backward and _era["backward_seen"]:
-        _end_era()
+        if not recording:  # between a backward and the next step anything may write: rule 3
+            with _lock:
+                _stats["misses"] += 1
+            return compute()
+        _end_era()  # a training forward: parameters are what this step will use
     era = _era["number"]
     key = (*key, tag, era)
     slot = id(lora_B)
@@ -194,10 +200,12 @@ def _forget(slot: int) -> None:
 
 
 def clear_norm_cache() -> None:
-    """Drop every stored norm (needed only after writes through ``.data`` between two
-    forwards with no backward and no optimizer step between them)."""
+    """Drop every stored norm and start a new era: the parameters as they are now are the
+    truth (needed only after writes through ``.data`` that the rule cannot see; see the
+    module docstring)."""
     with _lock:
         _entries.clear()
+        _end_era()
 
 
 def norm_cache_stats() -> dict:

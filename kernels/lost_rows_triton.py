@@ -49,7 +49,7 @@ def _dm_lost_rows_kernel(
     kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_T], dtype=tl.float32)
     for t0 in range(0, t_end, BLOCK_T):
-        rows = t0 + tt
+        rows = (t0 + tt).to(tl.int64)  # T·d_in may pass 2^31
         row_ok = rows < T
         z = tl.zeros([BLOCK_T], dtype=tl.float32)
         for k0 in range(0, d_in, BLOCK_K):

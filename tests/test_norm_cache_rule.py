@@ -137,3 +137,17 @@ def test_clear_norm_cache_after_a_bare_data_write():
     with torch.no_grad():
         y = call(x, W, A, B, m)
     assert rel_l2(y, fresh_output(x, W, A, B, m)) <= 1e-6
+
+
+def test_no_reuse_between_a_backward_and_the_next_step():
+    """backward, a no-grad forward (a metric), a hand-written p.data update, another no-grad
+    forward: the second must not serve the first's norm (found in review)."""
+    W, A, B, m = params()
+    x = torch.randn(4, 10)
+    call(x, W, A, B, m).square().sum().backward()
+    with torch.no_grad():
+        call(x, W, A, B, m)
+    B.data -= 0.5 * B.grad
+    with torch.no_grad():
+        y = call(x, W, A, B, m)
+    assert rel_l2(y, fresh_output(x, W, A, B, m)) <= 1e-6

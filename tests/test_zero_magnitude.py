@@ -131,3 +131,32 @@ def test_lost_rows_kernel_on_the_gpu(dtype):
     twin = dm_lost_rows_torch(*args, 1.5)
     assert rel_l2(got, twin) <= 1e-5
     assert torch.equal(got, dm_lost_rows_triton(*args, 1.5))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_second_adapter_magnitude_gradient_where_m_is_zero(path):
+    """A later adapter's result carries the earlier adapter's output, so its z is not x·Wᵀ +
+    s·lora: the lost-row recomputation must not be used there (found in review)."""
+    from doracheck.autograd import dora_from_base
+
+    x, W, A, B, m = _problem(torch.float32, seed=2)
+    A2, B2, m2 = A.flip(0) * 0.7, B.flip(1) * 0.5, m.flip(0)  # m2 has zeros at other features
+
+    def two_adapters(x, W, A, B, m, s, bias):
+        r = dora_from_base(x, torch.nn.functional.linear(x, W), W, A2, B2, m2, None, 1.5)
+        return dora_from_base(x, r, W, A, B, m, None, s, result_is_base=False)
+
+    def oracle(x, W, A, B, m, s, bias):
+        xd, Wd = x.double(), W.double()
+        r = dora_forward_ref(xd, Wd, A2.double(), B2.double(), m2.double(), 1.5)
+        n = torch.linalg.vector_norm(Wd + s * B.double() @ A.double(), dim=1).detach()  # the norm is a constant
+        g = m.double() / n
+        return r + (g - 1) * r + g * (s * (xd @ A.double().t()) @ B.double().t())
+
+    with use_path(path):
+        got = _grads(two_adapters, x, W, A, B, m)
+    ref = _grads(oracle, x, W, A, B, m)
+    assert torch.isfinite(got[3]).all()
+    assert rel_l2(got[3], ref[3]) <= 1e-5
+    for a, b in zip(got[:3], ref[:3]):
+        assert rel_l2(a, b) <= 1e-5
