@@ -448,13 +448,33 @@ def _backward(ctx_saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout
     return dx, dW, dA, dB, dm, db
 
 
-def _autocast_off(device_type: str):
-    """A context that turns autocast off on ``device_type`` where it is on (a no-op otherwise):
-    the Functions choose every dtype themselves (GEMMs in the compute dtype, fp32 g and
-    accumulators), and autocast re-casting their operands would break that."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
+@contextlib.contextmanager
+def _our_numerics(device_type: str):
+    """The numerics doracheck's GEMMs run with, for the duration of a forward or backward:
+    - autocast off on ``device_type`` (the Functions choose every dtype themselves: GEMMs in
+      the compute dtype, fp32 g and accumulators; autocast re-casting operands would break it);
+    - on CUDA, cuBLAS's 16-bit reduction of split-K partials off (torch's
+      ``allow_fp16/bf16_reduced_precision_reduction`` default to True): every reduction
+      accumulates in fp32 (DESIGN section 2). The caller's settings are restored after.
+    Nothing is changed while torch.compile traces (the compiled graph picks its own GEMMs)."""
+    from doracheck.kernels.tracing import tracing
+
+    autocast = torch.is_autocast_enabled(device_type)
+    matmul = torch.backends.cuda.matmul
+    flags = device_type == "cuda" and not tracing()
+    saved = (matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction) if flags else None
+    if flags:
+        matmul.allow_fp16_reduced_precision_reduction = False
+        matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        if autocast:
+            with torch.autocast(device_type, enabled=False):
+                yield
+        else:
+            yield
+    finally:
+        if saved is not None:
+            matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction = saved
 
 
 def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -483,7 +503,7 @@ class DoRALinearFunction(torch.autograd.Function):
         saved = {"x2": x2, "keep": keep, "xa": xa, "saved_h": saved_h, "g": g, "n": n, "n_safe": n_safe, "U": U, "G": G}
         saved["triton_path"], saved["from_output"], saved["variant"] = ctx.flags
         s, dropout_p, detach_norm, fan_in_fan_out, lead = ctx.args
-        with _autocast_off(dy.device.type):
+        with _our_numerics(dy.device.type):
             grads = _backward(
                 saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout_p, detach_norm, fan_in_fan_out, lead,
                 ctx.needs_input_grad,
@@ -499,7 +519,7 @@ def dora_linear_autograd(x, weight, lora_A, lora_B, magnitude, scaling, bias, ke
     cast_to = autocast_dtype(x)
     if cast_to is not None and x.dtype != cast_to:
         x = x.to(cast_to)
-    with _autocast_off(x.device.type):
+    with _our_numerics(x.device.type):
         tensors = (x, weight, lora_A, lora_B, magnitude, bias)
         if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
             y, _ = _forward(
@@ -616,7 +636,7 @@ class DoRAFromBaseFunction(torch.autograd.Function):
                 result_is_base=True, in_place=True):
         # ``result`` comes first: when it is a view (F.linear on 3-D input), autograd rebases its
         # history through CopySlices, which takes the dirty tensor's gradient from slot 0.
-        with _autocast_off(result.device.type):
+        with _our_numerics(result.device.type):
             out, tensors, flags = _from_base_forward(
                 result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask, dropout_p,
                 need_saved=True, in_place=in_place, result_is_base=result_is_base,
@@ -639,7 +659,7 @@ class DoRAFromBaseFunction(torch.autograd.Function):
         saved["triton_path"], saved["from_output"] = triton_path, from_output
         s, fan_in_fan_out, lead, dropout_p = ctx.args
         need = ctx.needs_input_grad  # result, x, weight, lora_A, lora_B, magnitude, bias
-        with _autocast_off(dy.device.type):
+        with _our_numerics(dy.device.type):
             dx, _dW, dA, dB, dm, db = _backward(
                 saved, dy, weight, lora_A, lora_B, magnitude, bias, s, dropout_p, True, fan_in_fan_out, lead,
                 (need[1], False, need[3], need[4], need[5], need[6]), base_in_dx=result_is_base,
@@ -674,7 +694,7 @@ def dora_from_base(x, result, weight, lora_A, lora_B, magnitude, bias, scaling, 
     in_place = result_is_base and not tracing()
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (result, x, lora_A, lora_B, magnitude, bias))):
         # No autograd: the forward alone, without the Function machinery (decode runs here).
-        with _autocast_off(result.device.type):
+        with _our_numerics(result.device.type):
             out, _, _ = _from_base_forward(result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask,
                                            dropout_p, need_saved=False, in_place=in_place, result_is_base=result_is_base)
         return out

@@ -1,15 +1,16 @@
-"""Measure the error constants of an implementation on this device and propose budget rows.
+"""How tight the budgets are on this device: measured error against each bound.
 
 ``calibrate(impl, dtypes, cases, device)`` runs ``cases`` random problems per dtype (kinds
 mixed, cancellation excluded from the oracle distances as in the suite) and records, per
-(op, output, dtype), the largest observed error; it proposes ``2 ×`` that (rounded up to two
-significant digits) as the row for this device's family. A human reviews the proposal before
-it goes into ``budgets.MEASURED_ROWS``; nothing here writes the file.
+(op, output, dtype), the implementation's largest error relative to its bound (the oracle
+distance rows and the baseline-ratio rows) and the worst case. A tightness near 1 says the
+bound is close to what this machine does; far below 1 says it is loose (and may be tightened
+from its derivation, never from these numbers). Nothing is proposed and nothing is written:
+a budget is a bound, not a fit (DESIGN section 3).
 """
 
 from __future__ import annotations
 
-import datetime
 import math
 import platform
 from dataclasses import dataclass
@@ -17,34 +18,20 @@ from dataclasses import dataclass
 import torch
 
 from . import props
-from .budgets import DTYPES, budget_for, device_family
+from .budgets import DTYPES, device_family
 from .problems import KINDS, make_problem
-
-MARGIN = 2.0
 
 
 @dataclass
-class Proposal:
-    op: str
-    output: str
+class Tightness:
+    prop: str  # e.g. forward.y, backward.dA, ratio.backward.dA, compose.near_one
     dtype: str
     family: str
-    field: str
-    observed: float
-    proposed: float
-    current: float
+    worst_error: float  # the implementation's error in the case closest to its bound
+    bound: float  # that case's bound
+    tightness: float  # worst_error / bound: > 1 fails; NaN where an error was NaN
     cases: int
-    note: str
-
-    def as_row(self) -> str:
-        return f'Budget("{self.op}", "{self.output}", "{self.dtype}", "{self.family}", "{self.note}", {self.field}={self.proposed:.2e}),'
-
-
-def _round_up(value: float) -> float:
-    if value <= 0 or not math.isfinite(value):
-        return value
-    exp = math.floor(math.log10(value)) - 1
-    return math.ceil(value / 10**exp) * 10**exp
+    worst_case: str
 
 
 def device_name(device: str) -> str:
@@ -53,14 +40,25 @@ def device_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
-def calibrate(impl: props.Implementation, dtypes: list[str], cases: int = 16, device: str = "cpu") -> list[Proposal]:
-    family = device_family(device)
-    today = datetime.date.today().isoformat()
-    where = device_name(device)
-    observed: dict[tuple[str, str, str, str], float] = {}
+def _ratio(err: float, bound: float) -> float:
+    if math.isnan(err) or math.isnan(bound):
+        return math.nan
+    return err / bound if bound > 0 else (0.0 if err == 0 else math.inf)
 
-    def note(key, value):
-        observed[key] = max(observed.get(key, 0.0), value)
+
+def calibrate(impl: props.Implementation, dtypes: list[str], cases: int = 16, device: str = "cpu", progress=None) -> list[Tightness]:
+    family = device_family(device)
+    worst: dict[tuple[str, str], Tightness] = {}
+
+    def note(dt: str, res) -> None:
+        if res.status == "n/a":
+            return
+        t = _ratio(res.worst, res.budget)
+        key = (res.prop, dt)
+        current = worst.get(key)
+        if current is None or props._worse(t, current.tightness):
+            worst[key] = Tightness(res.prop, dt, family, res.worst, res.budget, t, 0, res.detail)
+        worst[key].cases += 1
 
     kinds = [k for k in KINDS if k != "cancel"]
     for dt in dtypes:
@@ -72,19 +70,11 @@ def calibrate(impl: props.Implementation, dtypes: list[str], cases: int = 16, de
             r = max(1, r // 4)
             tokens = int(torch.randint(1, 33, (1,), generator=gen))
             p = make_problem(d_out, d_in, r, tokens, dtype, kind=kinds[i % len(kinds)], seed=i, device=device, with_bias=i % 2 == 0)
-            for res in props.backward_vs_oracle(impl, [p], family):
-                op, out = res.prop.split(".")
-                note((op, out, dt, "rel_l2"), res.worst)
+            for res in props.backward_vs_oracle(impl, [p], family) + props.baseline_ratio_checks(impl, [p], family):
+                note(dt, res)
+            if progress is not None:
+                progress()
         for seed in range(max(2, cases // 4)):
             for res in props.compose_near_one(impl, dtype, family, seeds=(seed,), device=device):
-                note(("compose", "y", dt, "ulp"), res.worst)
-    proposals = []
-    for (op, out, dt, field), value in sorted(observed.items()):
-        current = getattr(budget_for(op, out, dt, family), field)
-        # The compose bound is a design statement (correct rounding: 0.5 ulp), not a margin
-        # over what was seen: it is only ever proposed wider if something exceeded it.
-        proposed = (current if value <= current else _round_up(value)) if field == "ulp" else _round_up(MARGIN * value)
-        n = cases if field == "rel_l2" else max(2, cases // 4)
-        msg = f"calibrate {today} on {where} ({family}): max {value:.2e} over {n} cases x{MARGIN:g}"
-        proposals.append(Proposal(op, out, dt, family, field, value, proposed, current, n, msg))
-    return proposals
+                note(dt, res)
+    return sorted(worst.values(), key=lambda t: (t.dtype, t.prop))

@@ -226,3 +226,31 @@ def test_timed_planning_on_the_gpu_measures_once_and_stays_within_budget():
         assert measured == before + 1 and len(planner._TIMED) == measured
     finally:
         planner.set_mode("cost")
+
+
+def test_our_gemms_reduce_in_fp32_and_the_callers_setting_is_restored():
+    """DESIGN section 2: cuBLAS may reduce split-K partials in 16 bits while torch's
+    allow_fp16/bf16_reduced_precision_reduction are True (their default); every GEMM doracheck
+    issues runs with them off, and the caller's setting is back afterwards."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    matmul = torch.backends.cuda.matmul
+    gemms = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.out}
+    seen = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in gemms:
+                seen.append((matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction))
+            return func(*args, **(kwargs or {}))
+
+    case = make_case(64, 8192, 32, 1, torch.float16, seed=3, device="cuda")
+    before = (matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction)
+    matmul.allow_fp16_reduced_precision_reduction = matmul.allow_bf16_reduced_precision_reduction = True
+    try:
+        with Spy():
+            y, _ = run_case(case, torch.randn(1, 64, device="cuda", dtype=torch.float16))
+        assert seen and all(flags == (False, False) for flags in seen), seen
+        assert (matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction) == (True, True)
+    finally:
+        matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction = before

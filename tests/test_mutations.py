@@ -110,7 +110,7 @@ MUTANTS = {
     "bf16_norm": (Implementation("bf16-norm", bf16_norm_dora, factored_norm=bf16_norm_terms), ["fp32"], "norm.three_term"),
     "dm_missing_1_over_n": (Implementation("dm*n", dm_without_one_over_n), ["fp32"], "backward.dm"),
     "wrong_axis": (Implementation("column-norm", wrong_axis_dora), ["fp32"], "forward.y"),
-    "stale_cache": (Implementation("stale-cache", doracheck.dora_linear), ["fp32"], "cache.no_stale"),
+    "stale_cache": (Implementation("stale-cache", doracheck.dora_linear, clear_cache=doracheck.norm_cache.clear_norm_cache), ["fp32"], "cache.no_stale"),
 }
 CONTEXTS = {"stale_cache": version_blind_cache}
 
@@ -134,3 +134,35 @@ def test_unmutated_doracheck_passes_the_same_suite():
     results = run_suite(doracheck_implementation("torch"), ["fp32", "bf16"], "quick", "cpu")
     failed = [f"{r.prop}[{r.dtype}]: {r.detail}" for r in results if r.status == "FAIL"]
     assert not failed, failed
+
+
+# Small systematic errors in one low precision (tests/mutants.py): caught there, in that dtype.
+
+from mutants import implementations as _small_mutants  # noqa: E402
+
+SMALL = _small_mutants()
+
+
+def _margin(results, prop):
+    r = next(r for r in results if r.prop == prop)
+    return r, (r.worst / r.budget if r.budget else float("inf"))
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_small_error_in_one_precision_is_caught_there(name):
+    impl, dt, prop = SMALL[name]
+    results = run_suite(impl, [dt], "quick", "cpu")
+    caught, ratio = _margin(results, prop)
+    assert caught.status == "FAIL", f"{name}: {prop} [{dt}] passed: worst {caught.worst:.3e} <= budget {caught.budget:.3e}"
+    assert ratio > 1.0
+
+
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+def test_doracheck_passes_what_catches_the_small_errors(dt):
+    """The other side of the margin: the correct implementation passes each catching property."""
+    results = run_suite(doracheck_implementation("torch"), [dt], "quick", "cpu")
+    for _name, (_impl, mutant_dt, prop) in SMALL.items():
+        if mutant_dt != dt:
+            continue
+        r, ratio = _margin(results, prop)
+        assert r.status == "pass" and ratio < 1.0, (prop, r)

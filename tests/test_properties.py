@@ -108,7 +108,7 @@ def test_budget_rows_can_fail():
     """Every bound is finite and small (none that cannot fail), and each row says where it came from."""
     for b in all_budgets():
         assert b.note, b
-        for name in ("rel_l2", "ulp", "fp32_terms", "ratio_k", "ratio_floor"):
+        for name in ("rel_l2", "ulp", "fp32_terms", "ratio_k", "floor_repr"):
             value = getattr(b, name)
             if value is None:
                 continue
@@ -118,9 +118,10 @@ def test_budget_rows_can_fail():
         if b.ulp is not None:
             assert b.ulp <= 1.0, b
         if b.ratio_k is not None:
-            assert b.ratio_k <= 8 and b.ratio_floor < 0.05, b
-        if b.family != "*":
-            assert any(tag in b.note for tag in ("measured", "calibrate", "H200")), f"measured row without its measurement: {b}"
+            assert b.ratio_k <= 2 and b.floor_repr <= 1, b  # looser lets a 1.01x gradient through (test_mutations)
+        # A bound, not a fit (DESIGN section 3): no row may come from the implementation's own error.
+        assert not any(tag in b.note.lower() for tag in ("observed", "2x", "calibrate", "max ")), f"a row fitted to our own error: {b}"
+        assert b.family == "*" or "bound" in b.note, f"a family row must name the bound it states: {b}"
 
 
 def test_public_api_is_what_verify_runs():
