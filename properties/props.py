@@ -29,6 +29,7 @@ import torch
 from doracheck.reference import (
     dora_forward_ref,
     mp_norm_terms,
+    output_conditions,
     norm_terms_ref,
     peft_style_dora,
     rel_l2,
@@ -106,6 +107,13 @@ def _field(budget, name: str) -> float:
     if value is None:
         raise KeyError(f"budget row {budget.op}/{budget.output}/{budget.dtype}/{budget.family} has no {name}")
     return float(value)
+
+
+def a_priori_bound(budget, rho: float, kappa: float) -> float:
+    """An oracle-distance row made concrete for one case: rel_l2 (roundings × u) times the
+    output's condition ρ (``reference.output_conditions``: how much cancellation amplifies
+    those roundings), plus the norm's conditioning term."""
+    return _field(budget, "rel_l2") * rho + (budget.cond_k or 0.0) * u("fp32") * kappa
 
 
 def _conditioned(budget, kappa: float, field: str = "rel_l2") -> float:
@@ -290,9 +298,10 @@ def backward_vs_oracle(impl: Implementation, problems: list[Problem], family: st
         y_ref, grads_ref = _grads(dora_forward_ref, p, dy, lambda t: t.detach().double())
         errors = {"forward.y": rel_l2(y, y_ref)}
         errors.update({f"backward.{k}": rel_l2(grads[k], grads_ref[k]) for k in grads})
+        rho = output_conditions(p.x, p.weight, p.lora_A, p.lora_B, p.magnitude, p.scaling, p.bias, dy, fan_in_fan_out=p.fan_in_fan_out)
         for prop, err in errors.items():
             op, output = prop.split(".")
-            bud = _conditioned(budget_for(op, output, dt, family), kappa)
+            bud = a_priori_bound(budget_for(op, output, dt, family), rho[output], kappa)
             if prop not in worst or _worse(err / bud, worst[prop][0] / worst[prop][1]):
                 worst[prop] = (err, bud, f"{p.label} (κ {kappa:.3g})")
     return [_result(prop, dt, err, bud, len(problems), f"worst: {label}") for prop, (err, bud, label) in worst.items()]

@@ -5,6 +5,7 @@ share no code with what it judges.
 """
 
 from .baselines import naive_compose, naive_peft_compose, peft_style_dora
+from .conditions import output_conditions
 from .metrics import (
     UNIT_ROUNDOFF,
     dot_error_bound,
@@ -38,6 +39,7 @@ __all__ = [
     "max_ulp",
     "mean_ulp",
     "mp_compose",
+    "output_conditions",
     "mp_dora_forward",
     "mp_magnitude_scale",
     "mp_norm_terms",
