@@ -29,6 +29,8 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if "empty" in str(func):  # uninitialised until a Triton kernel writes it (seen by the ops that read it)
+            return out
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for o in outs:
             if isinstance(o, torch.Tensor) and o.is_floating_point() and o.numel():
