@@ -1,32 +1,39 @@
-"""The cross term of the factored norm at N = r = 128 under several row-dot configs (H200 probe):
-relative error against fp64 and whether three calls agree bitwise. Usage: python benchmarks/rowdot_config_probe.py
+"""The cross term of the factored norm across ranks under the shipped row-dot config and a
+candidate (H200 probe): relative error against fp64, whether three calls agree bitwise, and
+the median time. Usage: python benchmarks/rowdot_config_probe.py
 """
 
 import torch
+import triton
 
 from doracheck.kernels import norm_triton, settings
-from doracheck.properties import make_case
 
-case = make_case(4096, 4096, 128, 8, torch.bfloat16, seed=3, device="cuda")
-W, A, B = case.weight, case.lora_A, case.lora_B
-exact = ((W.double() @ A.double().t()) * B.double()).sum(1)
-configs = {
-    "default 128x128x64 w8 s4": settings.RowdotConfig(128, 128, 64, 8, 4),
-    "128x128x64 w8 s3": settings.RowdotConfig(128, 128, 64, 8, 3),
-    "128x128x64 w8 s2": settings.RowdotConfig(128, 128, 64, 8, 2),
-    "128x128x64 w4 s4": settings.RowdotConfig(128, 128, 64, 4, 4),
-    "64x128x64 w4 s4": settings.RowdotConfig(64, 128, 64, 4, 4),
-    "128x128x32 w8 s4": settings.RowdotConfig(128, 128, 32, 8, 4),
-    "128x64x64 w8 s4 (N split in 2 tiles)": settings.RowdotConfig(128, 64, 64, 8, 4),
-}
 original = norm_triton.rowdot_config
-for name, cfg in configs.items():
-    norm_triton.rowdot_config = lambda *a, cfg=cfg: cfg
-    outs = []
-    for _ in range(3):
-        cross, _sq = norm_triton.rowdot_triton(W, (W.stride(0), W.stride(1)), A, B, compute_base=True)
-        torch.cuda.synchronize()
-        outs.append(cross.clone())
-    err = float((outs[0].double() - exact).norm() / exact.norm())
-    print(f"{name:40s} rel err {err:.2e}  repeatable {all(torch.equal(outs[0], o) for o in outs[1:])}", flush=True)
+
+
+def capped(M, N, K, x_dtype, split_lo):
+    cfg = original(M, N, K, x_dtype, split_lo)
+    return cfg._replace(block_n=min(cfg.block_n, 64), n_sub=1)
+
+
+gen = torch.Generator(device="cuda").manual_seed(0)
+for d_in, r in [(4096, 16), (4096, 64), (4096, 100), (4096, 128), (4096, 192), (4096, 256), (8192, 384), (4096, 512), (4096, 1024)]:
+    d_out = 4096
+    W = (torch.randn(d_out, d_in, device="cuda", generator=gen) / d_in**0.5).bfloat16()
+    A = (torch.randn(r, d_in, device="cuda", generator=gen) / d_in**0.5).bfloat16()
+    B = (torch.randn(d_out, r, device="cuda", generator=gen) * 0.05).bfloat16()
+    exact = ((W.double() @ A.double().t()) * B.double()).sum(1)
+    line = [f"d_in {d_in} r {r:5d}"]
+    for name, cfg_fn in (("shipped", original), ("block_n<=64", capped)):
+        norm_triton.rowdot_config = cfg_fn
+        outs = []
+        for _ in range(3):
+            cross, _sq = norm_triton.rowdot_triton(W, (W.stride(0), W.stride(1)), A, B, compute_base=True)
+            torch.cuda.synchronize()
+            outs.append(cross.clone())
+        err = float((outs[0].double() - exact).norm() / exact.norm())
+        ms = triton.testing.do_bench(lambda: norm_triton.rowdot_triton(W, (W.stride(0), W.stride(1)), A, B, compute_base=True), rep=40)
+        cfg = cfg_fn(d_out, r, d_in, W.dtype, 1)
+        line.append(f"{name} [{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} sub{cfg.n_sub}] err {err:.1e} rep {all(torch.equal(outs[0], o) for o in outs[1:])} {ms*1e3:.0f}us")
+    print(" | ".join(line), flush=True)
 norm_triton.rowdot_config = original
