@@ -75,17 +75,22 @@ class GradConfig(NamedTuple):
 def rowdot_config(M: int, N: int, K: int, x_dtype, split_lo: int) -> RowdotConfig:
     """Tiles of the norm GEMMs (X·Yᵀ with a row-reduction epilogue).
 
-    H200, M = K = 8192, N = 384, bf16, GPU time from CUDA-graph replays (benchmarks/kernel_timing.py,
-    results/kernels_h200.csv, 2026-11-29): 128×256×64, 8 warps, 3 stages: 134.6-136.1 µs (382
-    TFLOP/s of useful work; N is padded to 512); 128×128×64 (8 warps): 163.6; 128×128×128: 176.8;
-    256×128×64: 166.6; 128×64×64 (4 warps): 252.6. The sub-tiled variants are in the comment above.
+    Earlier timings (H200, M = K = 8192, N = 384, bf16, 2026-11-29: 128×256×64, 8 warps, 3
+    stages, 134.6-136.1 µs) were of a config that computed the cross term wrongly (below); the
+    64-wide tiles took 127 µs at that shape in the 2026-12-01 probe.
     """
     if _interpreting():
         # Three 16-wide sub-tiles where N needs exactly that, so CI runs the sub-tiled kernel too.
         # And K split in two past 32, so CI runs the split-K partials.
         return RowdotConfig(16, 16, 16, 1, 1, 3 if (split_lo == 1 and 32 < N <= 48) else 1, 2 if K > 32 else 1)
-    block_n = _pow2_at_least(N, 16, 256)
-    stages = 3 if (block_n >= 256 or split_lo > 1 or x_dtype.itemsize == 4) else 4
+    # BLOCK_N at most 64: with 128- and 256-wide tiles (8 warps) the cross term came out wrong
+    # and different from call to call on the H200 (triton 3.6; benchmarks/rowdot_config_probe.py,
+    # 2026-12-01, 4096 rows, K = 4096: r = 100..1024 off by 3e-2..5e-1 relative, not bitwise
+    # repeatable), while 64-wide tiles matched fp64 to 4.4e-6 and repeated bitwise at every r
+    # probed (16..1024), in 35-132 µs against 34-131 µs. That bug is why the whole-layer bitwise
+    # determinism test failed (it ran r = 128), not cuBLAS.
+    block_n = min(_pow2_at_least(N, 16, 256), 64)
+    stages = 3 if (N > 128 or split_lo > 1 or x_dtype.itemsize == 4) else 4
     block_k = 32 if x_dtype.itemsize == 4 else 64
     return RowdotConfig(128, block_n, block_k, 8, stages)
 
