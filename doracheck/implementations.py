@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 import torch
 
@@ -74,6 +75,8 @@ def resolve(spec: str) -> Implementation:
     if spec == "torch":
         return doracheck_implementation("torch")
     if spec == "peft":
+        if importlib.util.find_spec("peft") is None:
+            raise ImplementationError("--impl peft: PEFT is not installed here (pip install peft, or pip install -e '.[peft]')")
         from doracheck.properties.impl_peft import peft_dora_linear
 
         return Implementation(name="peft", dora_linear=peft_dora_linear)

@@ -1,8 +1,9 @@
 """``doracheck verify``: run the property suite against an implementation on this machine.
 
-Prints property × dtype → pass/FAIL/n/a, worst error, budget, margin. Exit 0 if every
-property passes (n/a counts as passing: the implementation lacks that piece), 1 if any fails,
-2 for bad usage (an unknown dtype, an --impl that cannot be loaded).
+Prints property × dtype → pass/FAIL/n/a, worst error, budget, margin, and the reason of each
+n/a. Exit 0 if every property passes (n/a counts as passing: the implementation lacks that
+piece), 1 if any fails, 2 for bad usage (an unknown dtype, an --impl that cannot be loaded) and
+for an implementation on which nothing could be checked (n/a everywhere): no false comfort.
 """
 
 from __future__ import annotations
@@ -78,7 +79,12 @@ def run(args) -> int:
     results = run_suite(impl, dtypes, profile, device, progress)
     elapsed = time.perf_counter() - start
     failed = [r for r in results if r.status == "FAIL"]
+    checked = [r for r in results if r.status != "n/a"]
     family = device_family(device)
+    if not checked:
+        reason = results[0].detail if results else "no property ran"
+        print(f"doracheck verify: nothing could be checked on {impl.name}: every property is n/a ({reason})", file=sys.stderr)
+        return 2
     if args.json:
         doc = {
             "impl": impl.name, "profile": profile, "device": device, "family": family, "passed": not failed,
@@ -93,6 +99,9 @@ def run(args) -> int:
         print(f"{verdict} ({len(results)} checks, {na} n/a, {elapsed:.1f} s)")
         for r in failed:
             print(f"  FAIL {r.prop} [{r.dtype}]: {r.worst:.3e} > {r.budget:.3e}; {r.detail}")
+        for r in results:
+            if r.status == "n/a":
+                print(f"  n/a  {r.prop} [{r.dtype}]: {r.detail.removeprefix('n/a: ')}")
     return 1 if failed else 0
 
 
