@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import json
-import math
 import struct
 import tracemalloc
 from pathlib import Path
@@ -316,7 +315,8 @@ def test_random_byte_flips_never_raise(tmp_path, capsys):
 def test_audit_input_error_is_one_line(tmp_path):
     with pytest.raises(AuditInputError) as info:
         audit_path(tmp_path / "missing")
-    assert "\n" not in str(info.value) and not math.isnan(len(str(info.value)))
+    message = str(info.value)
+    assert "\n" not in message and "missing" in message  # one line, naming what the user passed
 
 
 def test_streaming_reads_only_matched_base_weights(tmp_path, monkeypatch):

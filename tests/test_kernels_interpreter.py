@@ -213,6 +213,12 @@ def test_chunked_backward_within_budget_in_16_bit(monkeypatch, path, dtype, adap
         check_against_oracle(case, dtype)
 
 
+def props_budget(op, output):
+    from doracheck.properties import budget_for
+
+    return budget_for(op, output, "bf16", "interpreter")
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
 def test_torch_compile_matches_eager_on_the_triton_ops(with_bias):
@@ -236,13 +242,26 @@ def test_torch_compile_matches_eager_on_the_triton_ops(with_bias):
     leaves_e = [t.detach().clone().requires_grad_() for t in leaves]
     y_e = f(*leaves_e)
     g_e = torch.autograd.grad(y_e, leaves_e, dy)
-    assert rel_l2(y_c, y_e) < 1e-2
-    for name, a, b in zip(("dx", "dA", "dB", "dm"), g_c, g_e):
-        assert rel_l2(a, b) < 2e-2, name
+    # Compiled and eager may round differently (Inductor fuses the torch ops around the kernels):
+    # each is judged against the fp64 oracle by the same a-priori bound (c·u(bf16)·ρ + κ term).
+    from doracheck.properties.props import a_priori_bound, conditioning
+    from doracheck.reference import dora_forward_ref, output_conditions
+
+    leaves_r = [t.detach().double().requires_grad_() for t in leaves]
+    y_r = dora_forward_ref(leaves_r[0], case.weight.double(), leaves_r[1], leaves_r[2], leaves_r[3], case.scaling,
+                           None if bias is None else bias.double())
+    g_r = torch.autograd.grad(y_r, leaves_r, dy.double())
+    rho = output_conditions(case.x, case.weight, case.lora_A, case.lora_B, case.magnitude, case.scaling, bias, dy)
+    kappa = conditioning(case)
+    bound = a_priori_bound(props_budget("forward", "y"), rho["y"], kappa)
+    assert rel_l2(y_c, y_r) <= bound and rel_l2(y_e, y_r) <= bound
+    for name, a, b, r in zip(("dx", "dA", "dB", "dm"), g_c, g_e, g_r):
+        bound = a_priori_bound(props_budget("backward", name), rho[name], kappa)
+        assert rel_l2(a, r) <= bound and rel_l2(b, r) <= bound, name
     # Inference (no autograd: g formed in the compose kernel in eager; traced: the functional op).
     with torch.no_grad():
         torch._dynamo.reset()
         y_ci = torch.compile(f, fullgraph=True)(*(t.detach() for t in leaves))
         y_ei = f(*(t.detach() for t in leaves))
     assert torch.equal(y_ei, y_e.detach())
-    assert rel_l2(y_ci, y_ei) < 1e-2
+    assert rel_l2(y_ci, y_r) <= a_priori_bound(props_budget("forward", "y"), rho["y"], kappa)
