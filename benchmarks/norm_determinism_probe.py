@@ -1,11 +1,15 @@
 """Is the factored norm (and the layer) bitwise repeatable, and is each call within the fp64 oracle? (H200 probe)"""
 import os
+
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-import torch, doracheck
-from doracheck.properties import make_case
-from doracheck.reference import norm_terms_ref, rel_l2
+import torch
+
+import doracheck
 from doracheck.dispatch import factored_norm_full
 from doracheck.norm_cache import clear_norm_cache
+from doracheck.properties import make_case
+from doracheck.reference import norm_terms_ref, rel_l2
+
 torch.use_deterministic_algorithms(True)
 for (d_out, d_in, r, T, dt) in [(4096, 4096, 128, 1024, torch.bfloat16), (4096, 4096, 128, 1024, torch.float32), (1000, 3000, 100, 77, torch.bfloat16)]:
     case = make_case(d_out, d_in, r, T, dt, seed=3, device="cuda")

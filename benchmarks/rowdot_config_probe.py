@@ -6,7 +6,7 @@ the median time. Usage: python benchmarks/rowdot_config_probe.py
 import torch
 import triton
 
-from doracheck.kernels import norm_triton, settings
+from doracheck.kernels import norm_triton
 
 original = norm_triton.rowdot_config
 

@@ -29,8 +29,8 @@ import torch
 from doracheck.reference import (
     dora_forward_ref,
     mp_norm_terms,
-    output_conditions,
     norm_terms_ref,
+    output_conditions,
     peft_style_dora,
     rel_l2,
     ulp_distance,
@@ -380,6 +380,16 @@ def _permutation_error(y_perm: torch.Tensor, y_then_perm: torch.Tensor, p: Probl
 # 6 ---------------------------------------------------------------------------------------
 
 
+def _over(res: CheckResult) -> float:
+    """worst / budget: the case with the least margin (NaN stays NaN; a zero budget is inf
+    unless the error is 0 too)."""
+    if math.isnan(res.worst) or math.isnan(res.budget):
+        return math.nan
+    if res.budget > 0:
+        return res.worst / res.budget
+    return 0.0 if res.worst == 0 else math.inf
+
+
 def representation_noise(exact: torch.Tensor, dtype: torch.dtype) -> float:
     """Relative L2 error of the exact output rounded once to ``dtype``: no implementation that
     returns ``dtype`` can do better (the baseline ratio's floor)."""
@@ -426,7 +436,7 @@ def baseline_ratio_checks(impl: Implementation, problems: list[Problem], family:
                 worst.setdefault(key, res)
                 continue
             current = worst.get(key)
-            if current is None or current.status == "n/a" or _worse(res.worst - res.budget, current.worst - current.budget):
+            if current is None or current.status == "n/a" or _worse(_over(res), _over(current)):
                 worst[key] = res
     for r in worst.values():
         r.cases = len(problems)

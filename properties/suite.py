@@ -26,6 +26,11 @@ def _guard(name: str, dtype: str, fn: Callable[..., list[CheckResult]], *args, *
         return [CheckResult(name, dtype, False, float("inf"), 0.0, 0, f"raised {type(exc).__name__}: {str(exc)[:200]}")]
 
 
+def suite_steps(dtypes: list[str]) -> int:
+    """How many progress messages ``run_suite`` sends for these dtypes (for a count and an ETA)."""
+    return 1 + 5 * len(dtypes)
+
+
 def run_suite(
     impl: props.Implementation,
     dtypes: list[str],

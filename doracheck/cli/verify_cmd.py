@@ -65,8 +65,33 @@ def format_table(results) -> str:
     return "\n".join(lines)
 
 
+class terminal_progress:
+    """``[k/N] step  elapsed, ETA`` on one rewritten line of stderr when it is a terminal (and not
+    under CI); silent otherwise, so logs and pipes get only the table."""
+
+    def __init__(self, command: str, total: int, start: float):
+        import os
+
+        self.command, self.total, self.start, self.count = command, max(total, 1), start, 0
+        self.live = sys.stderr.isatty() and not os.environ.get("CI")
+
+    def __call__(self, message: str) -> None:
+        self.count += 1
+        if not self.live:
+            return
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / max(self.count - 1, 1) * (self.total - self.count + 1) if self.count > 1 else float("nan")
+        eta_text = "" if eta != eta else f", ETA {eta:.0f} s"
+        print(f"\r\033[K{self.command} [{self.count}/{self.total}] {message}  ({elapsed:.0f} s{eta_text})", end="", file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self.live:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+
 def run(args) -> int:
     from doracheck.properties import device_family, run_suite
+    from doracheck.properties.suite import suite_steps
 
     profile = "quick" if args.quick else args.profile
     resolved = impl_and_dtypes(args, "verify")
@@ -75,8 +100,14 @@ def run(args) -> int:
     impl, dtypes = resolved
     device = _device()
     start = time.perf_counter()
-    progress = None if args.json else (lambda msg: print(f"verify: {msg}", file=sys.stderr, flush=True))
-    results = run_suite(impl, dtypes, profile, device, progress)
+    progress = None if args.json else terminal_progress("verify", suite_steps(dtypes), start)
+    try:
+        results = run_suite(impl, dtypes, profile, device, progress)
+    except KeyboardInterrupt:
+        print("\ndoracheck verify: interrupted", file=sys.stderr)
+        return 130
+    if progress is not None:
+        progress.done()
     elapsed = time.perf_counter() - start
     failed = [r for r in results if r.status == "FAIL"]
     checked = [r for r in results if r.status != "n/a"]
