@@ -15,15 +15,15 @@ for (d_out, d_in, r, T, dt) in [(4096, 4096, 128, 1024, torch.bfloat16), (4096, 
     case = make_case(d_out, d_in, r, T, dt, seed=3, device="cuda")
     ref = norm_terms_ref(case.weight, case.lora_A, case.lora_B, case.scaling).norm
     ns = []
-    for i in range(4):
+    for _i in range(4):
         fn = factored_norm_full(case.weight, case.lora_A, case.lora_B, case.scaling, fan_in_fan_out=False, need_factors=False)
         torch.cuda.synchronize()
         ns.append(fn.norm.clone())
-    print(d_out, d_in, r, dt, "rel err to fp64 per call:", ["%.2e" % rel_l2(n, ref) for n in ns], "equal to call 0:", [torch.equal(ns[0], n) for n in ns[1:]])
+    print(d_out, d_in, r, dt, "rel err to fp64 per call:", [f"{rel_l2(n, ref):.2e}" for n in ns], "equal to call 0:", [torch.equal(ns[0], n) for n in ns[1:]])
     # the layer, three times: y and grads equal?
     dy = torch.randn(*case.x.shape[:-1], d_out, device="cuda", dtype=dt, generator=torch.Generator("cuda").manual_seed(0))
     outs = []
-    for i in range(3):
+    for _i in range(3):
         clear_norm_cache()
         leaves = [t.detach().clone().requires_grad_() for t in (case.x, case.lora_A, case.lora_B, case.magnitude)]
         y = doracheck.dora_linear(leaves[0], case.weight, leaves[1], leaves[2], leaves[3], case.scaling, case.bias)
