@@ -266,3 +266,18 @@ def test_norm_cross_term_at_every_rank_is_right_and_repeatable(r):
         got, exact = getattr(first, name), getattr(ref, name)
         assert rel_l2(got, exact) <= gamma(4096), f"{name}: {rel_l2(got, exact):.3e}"  # a priori: fp32 sums over K = d_in
         assert torch.equal(got, getattr(again, name)), f"{name} not bitwise repeatable"
+
+
+@pytest.mark.parametrize("variant", ["factored", "factored+whole", "factored+recompute_xa", "merged", "merged+whole+recompute_xa"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_every_planner_variant_forced_on_the_gpu(variant, dtype, monkeypatch):
+    """Each computation order the planner may pick (merged too in bf16, which it never picks
+    there but which must still be correct), forced, on the Triton path, against the fp64 oracle
+    within the a-priori budgets; a small backward chunk makes the chunked variants chunk."""
+    from doracheck.kernels import settings
+    from doracheck.planner import use_variant
+
+    monkeypatch.setattr(settings, "BACKWARD_CHUNK_BYTES", 1024 * 2 * 64)
+    case = make_case(1024, 768, 64, (3, 100), dtype, seed=17, device="cuda")
+    with use_variant(variant):
+        check_against_oracle(case, dtype)

@@ -8,7 +8,6 @@ import pytest
 import torch
 from kernel_cases import check_against_oracle, make_case  # noqa: E402
 
-import doracheck
 from doracheck import planner
 from doracheck.dispatch import use_path
 from doracheck.planner import Variant, candidates, parse_variant, plan, predict_ms, use_variant
@@ -106,7 +105,7 @@ def test_every_variant_within_the_oracle_budgets(path, variant, dtype, monkeypat
     import os
 
     if path == "triton" and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1"):
-        pytest.skip("the Triton kernels run under the interpreter here; on a GPU the gpu tests cover them")
+        pytest.skip("the Triton kernels run under the interpreter here; on a GPU test_kernels_gpu forces each variant")
     from doracheck.kernels import settings
 
     monkeypatch.setattr(settings, "BACKWARD_CHUNK_BYTES", 33 * 4 * 3)
@@ -128,7 +127,6 @@ def test_variants_agree_with_each_other_in_fp32():
         assert torch.allclose(y, ref_y, rtol=1e-5, atol=1e-6), name
         for a, b in zip(grads, ref_g):
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), name
-    assert doracheck.dora_linear is not None
 
 
 @pytest.mark.parametrize("variant", ["factored+whole", "factored+recompute_xa", "merged", "merged+whole+recompute_xa"])
