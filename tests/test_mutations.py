@@ -105,11 +105,22 @@ def version_blind_cache():
         doracheck.norm_cache.clear_norm_cache()
 
 
+class MergeWithoutG(doracheck.DoRALinear):
+    """A merge that folds the adapter in but forgets the magnitude: W' = W + s·B·A."""
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        self._merged_norm = self._norm()
+        self.weight.add_(self.scaling * (self.lora_B @ self.lora_A))
+        self.merged = True
+
+
 MUTANTS = {
     "naive_compose": (Implementation("naive-compose", naive_compose_dora), ["bf16"], "compose.near_one"),
     "bf16_norm": (Implementation("bf16-norm", bf16_norm_dora, factored_norm=bf16_norm_terms), ["fp32"], "norm.three_term"),
     "dm_missing_1_over_n": (Implementation("dm*n", dm_without_one_over_n), ["fp32"], "backward.dm"),
     "wrong_axis": (Implementation("column-norm", wrong_axis_dora), ["fp32"], "forward.y"),
+    "merge_without_g": (Implementation("merge-without-g", doracheck.dora_linear, module_cls=MergeWithoutG), ["fp32"], "merge.forward"),
     "stale_cache": (Implementation("stale-cache", doracheck.dora_linear, clear_cache=doracheck.norm_cache.clear_norm_cache), ["fp32"], "cache.no_stale"),
 }
 CONTEXTS = {"stale_cache": version_blind_cache}

@@ -3,6 +3,21 @@ the Triton kernels under the interpreter where CI has no GPU), sharpness of the 
 property, and the budgets file's own sanity.
 
 hypothesis runs with the "ci" profile from conftest (derandomized, bounded, no deadline).
+
+Each property these tests run fails on at least one planted bug (so none of them can pass
+whatever the implementation does):
+
+| property | planted bug that fails it | where |
+|---|---|---|
+| norm.three_term | a bf16-accumulated norm; the norm 1e-3 off in bf16 | test_mutations.py |
+| norm.memory | the norm through the dense W + s·B·A | test_norm_memory_fails_a_dense_norm |
+| compose.near_one | a naive low-precision compose; g one ulp off; PEFT's form | test_mutations.py, test_compose_property_is_sharp |
+| grad.gradcheck, backward.* | dm missing its 1/n; a norm over the wrong axis | test_mutations.py |
+| meta.permutation | an output off at one feature position | test_permutation_property_catches_a_position_dependent_error |
+| ratio.* | dx, dA, dB, dm 1% off in bf16 or fp16 alone | test_mutations.py (tests/mutants.py) |
+| merge.forward | a merge that leaves g out | test_mutations.py |
+| edge.zero_row | PEFT's NaN on a zero row | test_verify_cli.py |
+| cache.no_stale | a norm cache blind to version counters | test_mutations.py |
 """
 
 from __future__ import annotations
