@@ -91,12 +91,21 @@ def _call(impl: Implementation, p: Problem, x=None, **kw):
 
 
 def conditioning(p: Problem) -> float:
-    """κ = max_i (base_i + 2|s·cross_i| + s²·lora_i) / n_i² from the fp64 oracle (1 when
-    nothing cancels; rows with n = 0 are skipped: their output is 0 whatever g is)."""
-    t = norm_terms_ref(p.weight.detach().cpu(), p.lora_A.detach().cpu(), p.lora_B.detach().cpu(), p.scaling, fan_in_fan_out=p.fan_in_fan_out)
-    s = p.scaling
-    total = t.base + 2 * abs(s) * t.cross.abs() + s * s * t.lora
-    n2 = t.norm * t.norm
+    """κ = max_i (||W_i||² + 2|s|·Σ_j |B_ij|·(|W||A|ᵀ)_ij + s²·||(|B||A|)_i||²) / n_i², from
+    fp64: the condition of n² as the factored norm forms it (1 when nothing cancels; rows with
+    n = 0 are skipped: their output is 0 whatever g is). The absolute-value products bound what
+    rounding can do to each factored term: the cross term Σ_j B_ij·(W·Aᵀ)_ij and the lora term
+    Σ_jk B_ij·(A·Aᵀ)_jk·B_ik lose digits both where W cancels s·B·A and where B·A itself
+    cancels (|B||A| >> |B·A|, as when r exceeds d_in), which the plain terms do not show
+    (hypothesis found a 1×1, r = 15 problem whose lora term was 6.8e-4 off in fp32)."""
+    W = (p.weight.t() if p.fan_in_fan_out else p.weight).detach().cpu().double()
+    A, B = p.lora_A.detach().cpu().double(), p.lora_B.detach().cpu().double()
+    s = float(p.scaling)
+    base = (W * W).sum(1)
+    cross_abs = (B.abs() * (W.abs() @ A.abs().t())).sum(1)
+    lora_abs = ((B.abs() @ A.abs()) ** 2).sum(1)
+    total = base + 2 * abs(s) * cross_abs + s * s * lora_abs
+    n2 = ((W + s * (B @ A)) ** 2).sum(1)
     ok = n2 > 0
     return float((total[ok] / n2[ok]).max()) if bool(ok.any()) else 1.0
 
