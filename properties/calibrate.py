@@ -49,16 +49,18 @@ def _ratio(err: float, bound: float) -> float:
 def calibrate(impl: props.Implementation, dtypes: list[str], cases: int = 16, device: str = "cpu", progress=None) -> list[Tightness]:
     family = device_family(device)
     worst: dict[tuple[str, str], Tightness] = {}
+    counts: dict[tuple[str, str], int] = {}
 
     def note(dt: str, res) -> None:
         if res.status == "n/a":
             return
         t = _ratio(res.worst, res.budget)
         key = (res.prop, dt)
+        counts[key] = counts.get(key, 0) + 1
         current = worst.get(key)
         if current is None or props._worse(t, current.tightness):
             worst[key] = Tightness(res.prop, dt, family, res.worst, res.budget, t, 0, res.detail)
-        worst[key].cases += 1
+        worst[key].cases = counts[key]
 
     kinds = [k for k in KINDS if k != "cancel"]
     for dt in dtypes:

@@ -322,13 +322,17 @@ def backward_vs_oracle(impl: Implementation, problems: list[Problem], family: st
 
 
 def _zero_row_nan(p: Problem, y: torch.Tensor) -> bool:
-    """True when the problem has a zero row of W + s·B·A and the implementation's output is not
-    finite (PEFT's NaN there): the accuracy checks leave that problem to ``edge.zero_row``, which
-    reports it once, instead of every accuracy row showing an infinite error."""
-    if bool(torch.isfinite(y).all()):
+    """True when the problem has a zero row of W + s·B·A and every non-finite value of the
+    implementation's output lies in those rows' features (PEFT's NaN there): the accuracy checks
+    leave that problem to ``edge.zero_row``, which reports it once, instead of every accuracy row
+    showing an infinite error. A non-finite value anywhere else is judged (and fails) as usual."""
+    if bool(torch.isfinite(y).all()) or not bool(torch.isfinite(p.x).all()):
         return False
     n = norm_terms_ref(p.weight, p.lora_A, p.lora_B, p.scaling, fan_in_fan_out=p.fan_in_fan_out).norm
-    return bool((n == 0).any()) and bool(torch.isfinite(p.x).all())
+    zero = (n == 0).to(y.device)
+    if not bool(zero.any()):
+        return False
+    return bool(torch.isfinite(y[..., ~zero]).all())
 
 
 # 5 ---------------------------------------------------------------------------------------
@@ -389,6 +393,13 @@ def _permutation_error(y_perm: torch.Tensor, y_then_perm: torch.Tensor, p: Probl
 # 6 ---------------------------------------------------------------------------------------
 
 
+# The baseline ratio compares two relative L2 errors; over fewer elements than this they are a
+# handful of rounding errors each, and the naive one can be near 0 by luck (review, 2026-12-01:
+# 1x1 and 1x14 problems failed a correct implementation 2 times in 600 hypothesis examples, up to
+# 40x over). Such outputs are judged by the oracle distance alone.
+RATIO_MIN_ELEMENTS = 16
+
+
 def _over(res: CheckResult) -> float:
     """worst / budget: the case with the least margin (NaN stays NaN; a zero budget is inf
     unless the error is 0 too)."""
@@ -435,8 +446,11 @@ def baseline_ratio_checks(impl: Implementation, problems: list[Problem], family:
         pairs = [("ratio_forward", "y", y, y_n, y_r)] + [("ratio_backward", k, grads[k], grads_n[k], grads_r[k]) for k in grads]
         kappa = conditioning(p)
         for op, out, a, b, c in pairs:
+            if c.numel() < RATIO_MIN_ELEMENTS:
+                continue  # a ratio of two errors over a handful of numbers is noise (the oracle check judges it)
             bud = budget_for(op, out, dt, family)
-            floor = _field(bud, "floor_repr") * representation_noise(c, a.dtype) + (bud.cond_k or 0.0) * u("fp32") * kappa
+            cond = 0.0 if out == "db" else (bud.cond_k or 0.0) * u("fp32") * kappa  # db = Σ dy does not involve n
+            floor = _field(bud, "floor_repr") * representation_noise(c, a.dtype) + cond
             res = baseline_ratio(f"{op.replace('ratio_', 'ratio.')}.{out}", a, b, c, _field(bud, "ratio_k"), floor)
             res.dtype = dt
             res.detail += f"; {p.label} (κ {kappa:.3g})"

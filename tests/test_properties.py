@@ -178,3 +178,23 @@ def test_norm_memory_fails_a_dense_norm():
     impl = Implementation("dense-norm", doracheck.dora_linear, factored_norm=dense_norm)
     results = props.norm_memory(impl, torch.bfloat16, "cpu", "cpu", IMPL.norm_memory_bound)
     assert [r.status for r in results] == ["FAIL"], results
+
+
+def test_a_nan_outside_the_zero_rows_is_not_left_to_edge_zero_row():
+    """Only PEFT's NaN (confined to the zero rows' features) is left to edge.zero_row; an
+    implementation that returns 0 there but NaN in a healthy feature fails the accuracy checks
+    (review: it used to pass the whole full profile)."""
+    p = make_problem(19, 29, 4, 5, torch.float32, kind="zero_rows", seed=302)
+    n = doracheck.factored_norm(p.weight, p.lora_A, p.lora_B, p.scaling, fan_in_fan_out=p.fan_in_fan_out)
+    zero = (n == 0).nonzero().flatten()
+    assert zero.numel(), "the zero_rows kind must have a zero row"
+    healthy = int((n != 0).nonzero().flatten()[0])
+
+    def nan_next_door(*args, **kwargs):
+        y = doracheck.dora_linear(*args, **kwargs)
+        bad = torch.zeros(y.shape[-1], dtype=torch.bool)
+        bad[healthy] = True
+        return torch.where(bad, torch.full_like(y, float("nan")), y)
+
+    results = props.backward_vs_oracle(Implementation("nan-next-door", nan_next_door), [p], FAMILY)
+    assert results and any(r.status == "FAIL" for r in results), results

@@ -114,7 +114,11 @@ def run(args) -> int:
     family = device_family(device)
     if not checked:
         reason = results[0].detail if results else "no property ran"
-        print(f"doracheck verify: nothing could be checked on {impl.name}: every property is n/a ({reason})", file=sys.stderr)
+        message = f"nothing could be checked on {impl.name}: every property is n/a ({reason})"
+        if args.json:
+            print(json.dumps({"impl": impl.name, "profile": profile, "device": device, "family": family, "passed": False,
+                              "error": message, "results": [r.as_dict() for r in results]}, indent=2))
+        print(f"doracheck verify: {message}", file=sys.stderr)
         return 2
     if args.json:
         doc = {
