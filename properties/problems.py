@@ -138,7 +138,9 @@ def make_case(d_out, d_in, r, tokens, dtype, *, adapter_dtype=None, seed=0, devi
     return make_problem(d_out, d_in, r, tokens, dtype, adapter_dtype=adapter_dtype, seed=seed, device=device, with_bias=with_bias)
 
 
-QUICK_SHAPES = ((7, 13, 3, 5), (16, 33, 8, (2, 9)), (48, 64, 16, 17))  # (d_out, d_in, r, T or batch shape)
+# (d_out, d_in, r, T or batch shape). The wide one (d_out = 160) gives the per-feature outputs dm
+# and db enough elements for the baseline ratio (props.RATIO_MIN_ELEMENTS, effective count).
+QUICK_SHAPES = ((7, 13, 3, 5), (16, 33, 8, (2, 9)), (48, 64, 16, 17), (160, 24, 8, 12))
 FULL_SHAPES = QUICK_SHAPES + ((64, 96, 32, (3, 11)), (129, 257, 64, 33))
 
 
