@@ -125,10 +125,6 @@ def a_priori_bound(budget, rho: float, kappa: float) -> float:
     return _field(budget, "rel_l2") * rho + (budget.cond_k or 0.0) * u("fp32") * kappa
 
 
-def _conditioned(budget, kappa: float, field: str = "rel_l2") -> float:
-    return _field(budget, field) + (budget.cond_k or 0.0) * u("fp32") * kappa
-
-
 # 1 ---------------------------------------------------------------------------------------
 
 
