@@ -1,4 +1,4 @@
-"""Model-level benchmark (issue 6): a LLaMA-style decoder, PEFT LoRA / DoRA against doracheck.
+"""Model-level benchmark: a LLaMA-style decoder, PEFT LoRA / DoRA against doracheck.
 
 Model: transformers LlamaConfig (hidden 4096, intermediate 14336, 32 heads, 8 KV heads,
 4 layers, bf16, random weights); adapters r = 384, alpha = 768 on every linear layer.
@@ -12,7 +12,7 @@ default fp32 adapters / bf16 adapters), doracheck_fp32/bf16 (the same PEFT DoRA 
 ``doracheck.integrations.peft.enable``). "fp32"/"bf16" is the adapter dtype
 (``autocast_adapter_dtype``); activations are bf16 throughout.
 
-Usage (GPU): python benchmarks/bench_model.py --csv results/model_h200.csv
+Usage (GPU): python benchmarks/bench_model.py --csv benchmarks/results/model_h200.csv
 Smaller smoke run: --layers 1 --hidden 512 --intermediate 1024 --seq 256 --new-tokens 8
 CPU smoke (no figures): --device cpu --layers 1 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2
     --rank 8 --seq 32 --new-tokens 4 --reps 2
@@ -123,8 +123,8 @@ def measure(impl: str, args) -> dict:
     with torch.no_grad():
         model.generate(prompt, max_new_tokens=4, do_sample=False)
         _sync(dev)
-        # Twice, the faster kept: the first full-length generate of a process paid one-off costs
-        # (run 3 of 2026-11-29: 19 tok/s for whichever model came first, 118 for the same later).
+        # Twice, the faster kept: the first full-length generate of a process pays one-off costs
+        # (benchmarks/README.md, Model).
         decode_tps = 0.0
         for _ in range(2):
             t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Model-level equivalence on a GPU (issue 6): ``enable``d PEFT DoRA against plain PEFT DoRA.
+"""Model-level equivalence on a GPU: ``enable``d PEFT DoRA against plain PEFT DoRA.
 
 The benchmark model of bench_model.py (LLaMA-style, hidden 4096, intermediate 14336, 32 heads,
 8 KV heads, 4 layers, bf16 weights, random init; DoRA r = 384, alpha = 768 on every linear
@@ -14,7 +14,7 @@ layer, PEFT's default fp32 adapters, non-zero lora_B):
 3. save with one and load with the other: logits of the reloaded model against the saver's.
 Prints one JSON object; exit 1 when the fp32 cosine < 0.99999, a reload differs, or doracheck's
 bf16 training is further from the fp32 run than twice PEFT's. "targets_met" says
-whether the issue's bf16 thresholds (cosine >= 0.99999, mean |Δloss| <= 1e-3) hold as well.
+whether the bf16 targets (cosine >= 0.99999, mean |Δloss| <= 1e-3) hold as well.
 """
 
 from __future__ import annotations

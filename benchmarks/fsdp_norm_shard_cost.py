@@ -1,4 +1,4 @@
-"""What the row-shard alternative of issue 8 could save, measured on one GPU (next session).
+"""What computing the DoRA norm per row shard under FSDP2 could save, measured on one GPU.
 
 Under FSDP2 every rank computes the DoRA norm of all d_out rows on the unsharded parameters in
 every forward (what doracheck does now). The alternative: each rank computes the norm of its

@@ -1,4 +1,4 @@
-"""FSDP2 training with doracheck (issue 8): a LLaMA-style model with PEFT DoRA, sharded with
+"""FSDP2 training with doracheck: a LLaMA-style model with PEFT DoRA, sharded with
 PyTorch's ``fully_shard``, trained against the same training on one device.
 
 Run with torchrun, one process per GPU (NCCL) or per CPU rank (gloo):
@@ -184,8 +184,8 @@ if __name__ == "__main__":
         os._exit(1)
     # Leave without the interpreter's teardown as well: even after the barrier and
     # destroy_process_group, a CPU (gloo) rank still aborted at exit now and then ("terminate
-    # called without an active exception" from a C++ thread destroyed unjoined; CI of 2026-12-01,
-    # after the report was printed and every loss matched). Everything is flushed by now.
+    # called without an active exception" from a C++ thread destroyed unjoined, after the report
+    # was printed; benchmarks/README.md, FSDP2). Everything is flushed by now.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

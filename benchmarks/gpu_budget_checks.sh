@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The budgets work (issue 15) on the H200: the GPU tests against the a-priori (ρ-scaled) and
+# Budget checks on the H200: the GPU tests against the a-priori (ρ-scaled) and
 # baseline-ratio budgets (no family rows), doracheck verify in every dtype, the small planted
 # errors' margins on the Triton path, and which op breaks whole-layer bitwise determinism.
 set -u
 # Usage: bash benchmarks/gpu_budget_checks.sh [tests|margins|all]  (two parts fit the 600 s call limit)
 PART=${1:-all}
-source benchmarks/h200_common.sh
+source benchmarks/gpu_common.sh
 if [ "$PART" != margins ]; then
 step gpu_tests 300 env DORACHECK_RECORD_ERRORS="$R/errors" $PY -m pytest -m gpu -q -p no:cacheprovider -rsx tests/test_kernels_gpu.py \
   tests/test_autocast.py tests/test_zero_magnitude.py tests/test_training_loops.py

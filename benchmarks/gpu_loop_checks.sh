@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The training-loop work (issue 14) on the H200.
+# Training-loop checks on the H200, one part per device call.
+# Usage: bash benchmarks/gpu_loop_checks.sh [tests|cost]   (default: tests)
 #   part "tests": the GPU tests (the real loops in bf16 on the Triton path, autocast, the
 #     zero-magnitude kernel, the kernel suite) and compute-sanitizer memcheck over the kernels
 #     and the new paths.
@@ -7,7 +8,7 @@
 #     and without fused AdamW) and the layer benchmark, with the code before the rule (.oldtree:
 #     `git archive` of the commit before it, carried) and after, in one run on one machine.
 set -u
-source benchmarks/h200_common.sh
+source benchmarks/gpu_common.sh
 if [ "${1:-tests}" = tests ]; then
   step gpu_tests 300 $PY -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_kernels_gpu.py tests/test_training_loops.py \
     tests/test_autocast.py tests/test_zero_magnitude.py

@@ -1,4 +1,4 @@
-"""Kernel-level timings on the GPU against their floors (run it on the H200).
+"""Kernel-level timings on the GPU against their floors (benchmarks/kernel_bench.sh runs it).
 
 - ceilings: device-to-device copy bandwidth (bytes read + written) and a bf16 8192³ GEMM rate;
 - the factored norm at 8192×8192, r = 384 (bf16 and fp32 adapters), its parts (Gram, the
@@ -19,18 +19,17 @@ from doracheck.kernels import compose_triton as ct
 from doracheck.kernels import norm_triton as nt
 from doracheck.kernels import settings
 
-# Candidates kept after a first sweep of 48 compose and 24 grad configs on the H200 (2026-11-29),
-# whose timings were dominated by a launch overhead since removed.
+# Compose and dz/dm candidates: those kept from a wider first sweep (benchmarks/README.md, Kernels).
+# (block_m, block_n, block_k, warps, stages)
 COMPOSE_CANDIDATES = ((64, 128, 64, 4, 3), (128, 128, 32, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
                       (64, 256, 64, 8, 3), (128, 64, 64, 4, 3), (128, 128, 64, 4, 4))
-# (block_m, block_n, block_k, warps, stages, n_sub): the 128×256 padded tile, then three 128-wide
-# sub-tiles per program (r = 384).
 # (block_m, block_n, block_k, warps, stages, n_sub, split_k): the 128×256 tile (r = 384 padded to
 # 512), 128-wide tiles (no padding), three 128-wide sub-tiles per program, and K split in 2 or 3.
 ROWDOT_CANDIDATES = ((128, 256, 64, 8, 3, 1, 1), (128, 256, 64, 8, 3, 1, 2), (128, 128, 64, 8, 3, 1, 1),
                      (128, 128, 64, 8, 3, 1, 2), (128, 128, 64, 8, 4, 1, 2), (128, 128, 64, 4, 4, 1, 2),
                      (128, 128, 64, 8, 3, 1, 3), (256, 128, 64, 8, 3, 1, 2), (64, 128, 64, 4, 3, 3, 1),
                      (64, 128, 64, 4, 3, 3, 2), (64, 128, 64, 8, 3, 3, 2), (128, 128, 64, 8, 2, 3, 1))
+# (block_t, block_d, warps)
 GRAD_CANDIDATES = ((32, 256, 4), (64, 128, 8), (64, 256, 8), (128, 256, 8), (16, 512, 4), (32, 512, 8), (8, 1024, 4))
 
 
@@ -41,8 +40,8 @@ def bench_host(fn):
 
 def bench(fn):
     """(GPU µs, host-inclusive µs). The GPU time comes from replays of a captured CUDA graph
-    (METHOD.md: many small launches), so a slow host's launch cost stays out of a kernel's rate;
-    the host-inclusive time is reported beside it."""
+    (many launches, no host in the loop), so a slow host's launch cost stays out of a kernel's
+    rate; the host-inclusive time is reported beside it."""
     gpu = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
     return gpu, bench_host(fn)
 

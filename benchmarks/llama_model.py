@@ -1,4 +1,4 @@
-"""The benchmark model of issue 6, shared by bench_model.py and equivalence_model.py: a LLaMA-style
+"""The benchmark model shared by bench_model.py and equivalence_model.py: a LLaMA-style
 decoder from a transformers config (random weights), and its command-line arguments."""
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ import sys
 import torch
 from mutants import implementations
 
-from doracheck.implementations import doracheck_implementation
 from doracheck.properties import run_suite
+from doracheck.properties.implementations import doracheck_implementation
 
 
 def worst_over_budget(results, prop):

@@ -8,9 +8,13 @@
 The oracles live in ``doracheck.reference``, the kernels in ``doracheck.kernels``.
 """
 
+from . import measure as _measure
+from . import planner as _planner
 from .functional import NormTerms, compose, dora_linear, factored_norm
 from .module import DoRALinear
 from .planner import plan
+
+_planner.set_measure(_measure.measure_variants)  # timed planning measures with the layer (docs/design.md section 5)
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,7 @@
 """The one place that decides which implementation runs a call (torch or Triton).
 
-Callers ask ``choose_path(tensor)``; ``describe_path`` says why, for ``doracheck env``.
+``backend_for(*tensors)`` gives the layer its ``Backend`` (kernels/backends.py) once per call;
+``choose_path(device)`` is the rule under it and ``describe_path`` says why, for ``doracheck env``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import os
 from typing import NamedTuple
 
 import torch
+
+from doracheck.kernels.backends import TORCH, Backend
 
 
 class PathChoice(NamedTuple):
@@ -106,25 +109,33 @@ def describe_path(device: torch.device | str) -> PathChoice:
     return choose_path(torch.device(device))
 
 
-# --- routing: each op asks choose_path once per call --------------------------------------
+# --- the backend of a call ------------------------------------------------------------------
+
+
+def backend_for(*tensors: torch.Tensor | None) -> Backend:
+    """The backend that runs one call on ``tensors`` (None entries ignored), decided once:
+    the torch twin when any tensor is fp64 (gradcheck and the oracles' callers), else the
+    path ``choose_path`` gives for the first tensor's device."""
+    present = [t for t in tensors if t is not None]
+    if any(t.dtype == torch.float64 for t in present):
+        return TORCH
+    if choose_path(present[0].device).name == "triton":
+        from doracheck.kernels.backends import triton_backend
+
+        return triton_backend()
+    return TORCH
 
 
 def factored_norm_full(weight, lora_A, lora_B, scaling, *, fan_in_fan_out=False, need_factors=False):
     """The factored norm as ``doracheck.kernels.FactoredNorm`` (fp32). ``need_factors``
-    asks for U and G too (the exact ``detach_norm=False`` backward): the torch path gives them."""
-    from doracheck.kernels import FactoredNorm, factored_norm_torch
-
-    fp64 = any(t.dtype == torch.float64 for t in (weight, lora_A, lora_B))
-    if need_factors or fp64 or choose_path(weight.device).name == "torch":
-        return factored_norm_torch(weight, lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out)
-    from doracheck.kernels import ops
-
-    base, cross, lora, norm = ops.call("factored_norm", weight, lora_A, lora_B, float(scaling), fan_in_fan_out)
-    return FactoredNorm(base, cross, lora, norm, None, None)
+    asks for U and G too (the exact ``detach_norm=False`` backward)."""
+    return backend_for(weight, lora_A, lora_B).factored_norm(weight, lora_A, lora_B, float(scaling), fan_in_fan_out,
+                                                             need_factors)
 
 
 def compose(base, lora, g, scaling, bias=None, base_dropped=None, out=None):
-    """The elementwise stable compose (torch; the Triton path fuses it into the up-projection)."""
+    """The elementwise stable compose of a given lora output (torch; the layer's backends
+    fuse it into the up-projection)."""
     from doracheck.kernels import compose_torch
 
     return compose_torch(base, lora, g, scaling, bias, base_dropped=base_dropped, out=out)

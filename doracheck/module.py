@@ -7,9 +7,9 @@ import math
 import torch
 from torch import nn
 
-from .functional import dora_linear, factored_norm
+from doracheck.kernels.constants import EPS
 
-EPS = 1e-12
+from .functional import dora_linear, factored_norm
 
 
 class DoRALinear(nn.Module):

@@ -15,7 +15,7 @@ Variants (``Variant``):
     once), base = x·W'ᵀ, then y = g⊙base (+ b); backward forms W' again (it is not kept) and
     dx = dz·W'. Extra FLOPs: 2·d_out·r·d_in per pass, independent of T, plus a d_out×d_in
     temporary. Only where precision holds: rounding W' to a 16-bit dtype perturbs every
-    weight by up to half an ulp, which breaks the compose's 0.5-ulp property (DESIGN
+    weight by up to half an ulp, which breaks the compose's 0.5-ulp property (docs/design.md
     section 2) on exactly representable problems; in fp32 the perturbation is 2^-24 relative,
     far inside every fp32 budget. So "merged" is a candidate for fp32 compute only, without
     dropout, with the detached norm, and only where its temporary fits the memory allowance.
@@ -30,7 +30,7 @@ candidate side by side once per shape; ``dora_linear`` asks ``choose``, which us
 unless ``set_mode("timed")`` (or ``DORACHECK_PLAN=timed``) says to measure.
 
 Memory allowance: a layer may add at most ``max(32 MiB, 0.25·T·d_out·itemsize)`` of peak memory
-over the plain linear layer's (the layer targets of issue 3: <= 1.25x nn.Linear + 32 MiB); in
+over the plain linear layer's (the layer target: <= 1.25x nn.Linear + 32 MiB); in
 training the adapter gradients and their fp32 accumulators are counted first, and a variant is
 a candidate only if its own extra fits in what is left (the default always is).
 """
@@ -103,6 +103,13 @@ _MAX_PLANS = 4096
 _PLANS: dict[tuple, Variant] = {}
 _TIMED: dict[tuple, dict[str, float]] = {}
 _MODE: list[str] = ["cost"]
+_MEASURE: list[Callable[..., dict[str, float]] | None] = [None]
+
+
+def set_measure(measure: Callable[..., dict[str, float]] | None) -> None:
+    """The function timed planning measures candidates with when ``plan`` is given none. It
+    lives above the layer (it calls it), so it is registered rather than imported."""
+    _MEASURE[0] = measure
 
 
 @contextlib.contextmanager
@@ -218,66 +225,17 @@ def predict_ms(v: Variant, d_in: int, d_out: int, r: int, tokens: int, dtype: to
     return 1e3 * max(gpu, ops * ceil.host_fwd_op_s + bwd_ops * ceil.host_bwd_op_s)
 
 
-def measure_variants(variants: list[Variant], d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype,
-                     training: bool, device: torch.device | str = "cuda", rounds: int = 15, *, dropout: bool = False,
-                     detach_norm: bool = True, with_linear: bool = False) -> dict[str, float]:
-    """Median ms of one call of ``dora_linear`` under each variant, measured side by side
-    (``timing.time_interleaved``: round-robin, back-to-back calls per sample) on one set of
-    random, non-zero inputs; the norm cache is warm, as in a step. ``training``: forward and
-    backward with every input but W requiring grad; ``dropout``: p = 0.1 in training mode.
-    ``with_linear`` adds "nn.Linear", the plain layer on the same x and W, to the same rounds."""
-    import doracheck
-    from doracheck.timing import quantile, time_interleaved
-
-    dev = torch.device(device)
-    gen = torch.Generator().manual_seed(0)
-    W = (torch.randn(d_out, d_in, generator=gen) / d_in**0.5).to(dev, dtype)
-    A = (torch.randn(r, d_in, generator=gen) / d_in**0.5).to(dev, dtype).requires_grad_(training)
-    B = (torch.randn(d_out, r, generator=gen) * 0.02).to(dev, dtype).requires_grad_(training)
-    m = (1 + 0.01 * torch.randn(d_out, generator=gen)).to(dev, dtype).requires_grad_(training)
-    x = torch.randn(tokens, d_in, generator=gen).to(dev, dtype).requires_grad_(training)
-    dy = torch.randn(tokens, d_out, generator=gen).to(dev, dtype)
-    p = 0.1 if dropout else 0.0
-
-    def under(v: Variant) -> Callable[[], None]:
-        def call() -> None:
-            with use_variant(v):
-                if training:
-                    doracheck.dora_linear(x, W, A, B, m, 2.0, dropout_p=p, training=dropout,
-                                         detach_norm=detach_norm).backward(dy)
-                    for t in (x, A, B, m):
-                        t.grad = None
-                else:
-                    with torch.no_grad():
-                        doracheck.dora_linear(x, W, A, B, m, 2.0, dropout_p=p, training=dropout, detach_norm=detach_norm)
-        return call
-
-    def linear() -> None:
-        if training:
-            torch.nn.functional.linear(x, W).backward(dy)
-            x.grad = None
-        else:
-            with torch.no_grad():
-                torch.nn.functional.linear(x, W)
-
-    fns = {v.name: under(v) for v in variants}
-    if with_linear:
-        fns["nn.Linear"] = linear
-    with torch.enable_grad():  # also when planning from inside a forward (autograd Functions run without grad)
-        times = time_interleaved(fns, dev, rounds)
-    return {name: quantile(t, 0.5) for name, t in times.items()}
-
-
 def plan(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype = torch.bfloat16, training: bool = False, *,
          timed: bool = False, device: torch.device | str = "cuda", dropout: bool = False, detach_norm: bool = True,
          ceilings: Ceilings = H200, measure: Callable[..., dict[str, float]] | None = None,
          refresh: bool = False) -> Plan:
     """The variant for a DoRA layer of this shape, with every candidate's predicted time.
 
-    With ``timed`` the choice is the fastest measured candidate: all of them timed side by side
-    on ``device`` (``measure_variants``) once per shape and cached for the process; ``refresh``
-    measures again. ``measure(candidates, d_in, d_out, r, tokens, dtype, training, device,
-    dropout=..., detach_norm=...)`` -> {name: ms} replaces ``measure_variants``."""
+    With ``timed`` the choice is the fastest measured candidate: ``measure(candidates, d_in,
+    d_out, r, tokens, dtype, training, device, dropout=..., detach_norm=...)`` -> {name: ms}
+    times them side by side on ``device`` once per shape (cached for the process; ``refresh``
+    measures again). The planner does not measure by itself: ``measure`` defaults to the one
+    ``set_measure`` registered (``doracheck`` registers ``doracheck.measure.measure_variants``)."""
     cands = candidates(d_in, d_out, r, tokens, dtype, training, dropout, detach_norm)
     predicted = {v.name: predict_ms(v, d_in, d_out, r, tokens, dtype, training, ceilings) for v in cands}
     if not timed:
@@ -287,8 +245,13 @@ def plan(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype = torch.
     if refresh or key not in _TIMED:
         if len(_TIMED) >= _MAX_PLANS:  # many distinct token counts: start over rather than grow
             _TIMED.clear()
-        _TIMED[key] = (measure or measure_variants)(cands, d_in, d_out, r, tokens, dtype, training, device,
-                                                     dropout=dropout, detach_norm=detach_norm)
+        measure = measure or _MEASURE[0]
+        if measure is None:
+            raise ValueError("plan(timed=True): no measure function (pass measure=, or import doracheck, which registers "
+                             "doracheck.measure.measure_variants)")
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"plan(timed=True): device {device!r} is not available here (pass device='cpu' to time on the CPU)")
+        _TIMED[key] = measure(cands, d_in, d_out, r, tokens, dtype, training, device, dropout=dropout, detach_norm=detach_norm)
     measured = _TIMED[key]
     best = min(cands, key=lambda v: measured[v.name])
     return Plan(best, predicted, dict(measured), "timed", cands)
@@ -334,7 +297,7 @@ def set_mode(mode: str) -> None:
     _PLANS.clear()
 
 
-__all__ = ["DEFAULT", "H200", "Ceilings", "Plan", "Variant", "candidates", "choose", "measure_variants",
+__all__ = ["DEFAULT", "H200", "Ceilings", "Plan", "Variant", "candidates", "choose",
            "parse_variant", "plan", "predict_ms", "set_mode", "use_variant"]
 
 

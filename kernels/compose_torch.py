@@ -1,6 +1,6 @@
 """The stable DoRA compose and the dm reduction, pure torch (same signatures as the Triton ones).
 
-Compose (DESIGN section 2): evaluated in fp32, rounded once to the output dtype:
+Compose (docs/design.md section 2): evaluated in fp32, rounded once to the output dtype:
     y = base + b + (g - 1)⊙base_d + g⊙s⊙lora        (base_d = base without dropout)
 Never ``g·(base + s·lora) - base`` in low precision: near g ≈ 1 it cancels.
 
@@ -11,6 +11,8 @@ sum is deterministic on a given device.
 from __future__ import annotations
 
 import torch
+
+from .constants import EPS
 
 
 def compose_torch(
@@ -42,7 +44,49 @@ def compose_torch(
     return out
 
 
-EPS = 1e-12
+def _acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """fp32, or fp64 where any input is fp64 (gradcheck)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _lora_up(xa: torch.Tensor, lora_B: torch.Tensor, acc: torch.dtype, cd: torch.dtype) -> torch.Tensor:
+    """lora = xa·Bᵀ as the GEMM gives it in the compute dtype ``cd``, then read in ``acc``."""
+    B = lora_B if lora_B.dtype == cd else lora_B.to(cd)
+    return (xa @ B.t()).to(acc)
+
+
+def lora_up_compose_torch(
+    base: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor, g: torch.Tensor, bias: torch.Tensor | None, scaling: float,
+    base_has_bias: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch twin of the fused up-projection + compose (no dropout): (y, z) with
+    z = base [- b] + s·xa·Bᵀ and y = g⊙z + b in fp32 (fp64 for fp64), each rounded once to
+    base.dtype. ``base_has_bias``: base is x·Wᵀ + b (a PEFT base layer's output)."""
+    acc = _acc_dtype(base, g)
+    lora = _lora_up(xa, lora_B, acc, base.dtype)
+    base_acc = base.to(acc)
+    if base_has_bias and bias is not None:
+        base_acc = base_acc - bias.to(acc)
+    z = base_acc + scaling * lora
+    y = g * z  # the stable form: one product, exactly invariant to row scaling
+    if bias is not None:
+        y = y + bias.to(acc)
+    return y.to(base.dtype), z.to(base.dtype)
+
+
+def lora_up_compose_dropout_torch(
+    base: torch.Tensor, base_dropped: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor, g: torch.Tensor,
+    bias: torch.Tensor | None, scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch twin of the dropout compose: (y, z_d) with y = base + b + (g-1)⊙base_d +
+    g⊙s⊙lora_d and z_d = base_d + s·lora_d (lora_d = x_d·Aᵀ·Bᵀ), fp32 math, rounded once."""
+    acc = _acc_dtype(base, g)
+    lora = _lora_up(xa, lora_B, acc, base.dtype)
+    base_d = base_dropped.to(acc)
+    y = base.to(acc) + (g - 1.0) * base_d + (g * scaling) * lora
+    if bias is not None:
+        y = y + bias.to(acc)
+    return y.to(base.dtype), (base_d + scaling * lora).to(base.dtype)
 
 
 def grad_scale_dm_torch(

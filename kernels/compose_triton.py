@@ -4,7 +4,7 @@
 epilogue reads the base output x·Wᵀ (and x_d·Wᵀ with dropout), g and b, and writes y once:
     no dropout: y = b + g⊙(base + s·lora)
     dropout:    y = b + base + (g-1)⊙base_d + g⊙s⊙lora
-all in fp32 registers, rounded once to the output dtype (DESIGN section 2). ``y`` may alias
+all in fp32 registers, rounded once to the output dtype (docs/design.md section 2). ``y`` may alias
 ``base`` (each element is read before it is written, by the same program). Optionally it
 also writes z_d = base_d + s·lora (needed by the backward when dropout is active).
 
@@ -20,10 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .constants import EPS
 from .settings import compose_config, grad_config
 from .triton_common import dot_acc, interpreting, launcher, round_to
 
-EPS = 1e-12
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 

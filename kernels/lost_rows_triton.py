@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .constants import EPS
 from .triton_common import launcher
 
-EPS = 1e-12
 BLOCK_T = 32
 BLOCK_K = 64
 

@@ -2,7 +2,7 @@
 
 A row is keyed by (op, output, dtype, family) and has named fields only; lookup falls back
 from the exact family to the default row (family "*"). **A budget is a bound, not a fit**
-(DESIGN section 3): every row is either an a-priori bound, derived from the unit roundoff u of
+(docs/design.md section 3): every row is either an a-priori bound, derived from the unit roundoff u of
 the dtype and the number of roundings on the way to the output (written next to it), or a
 baseline ratio against the same-precision eager reference on the same machine, whose floor is
 the case's own representation noise. No row is derived from this implementation's observed
@@ -112,7 +112,7 @@ def _default_rows() -> list[Budget]:
 
 # Family rows override the default for one family. There are none: every default is a bound
 # that holds on each family measured (cpu, interpreter, sm90), with fp32 reductions in every
-# GEMM doracheck issues on CUDA (DESIGN section 2).
+# GEMM doracheck issues on CUDA (docs/design.md section 2).
 FAMILY_ROWS: list[Budget] = []
 
 _TABLE = {(b.op, b.output, b.dtype, b.family): b for b in _default_rows() + FAMILY_ROWS}

@@ -6,7 +6,7 @@ mixed, cancellation excluded from the oracle distances as in the suite) and reco
 distance rows and the baseline-ratio rows) and the worst case. A tightness near 1 says the
 bound is close to what this machine does; far below 1 says it is loose (and may be tightened
 from its derivation, never from these numbers). Nothing is proposed and nothing is written:
-a budget is a bound, not a fit (DESIGN section 3).
+a budget is a bound, not a fit (docs/design.md section 3).
 """
 
 from __future__ import annotations

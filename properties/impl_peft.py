@@ -132,6 +132,31 @@ def _check_shapes(x, weight, lora_A, lora_B, magnitude, bias, fan_in_fan_out: bo
     return d_in, d_out, r
 
 
+def _dropout_module(x: torch.Tensor, dropout_p: float, dropout_mask: torch.Tensor | None) -> nn.Module:
+    """The stand-in for ``lora_dropout[adapter]`` when dropout is active: the given keep-mask,
+    or one drawn with ``torch.bernoulli`` (keep probability 1 - p) in x's shape."""
+    if dropout_mask is None:
+        keep = torch.bernoulli(torch.full(x.shape, 1.0 - dropout_p, device=x.device))
+    else:
+        keep = dropout_mask.detach()
+    return _KeepMaskDropout(keep, dropout_p)
+
+
+def _substituted_params(weight, lora_A, lora_B, magnitude, bias, fan_in_fan_out: bool) -> dict[str, torch.Tensor]:
+    """The caller's tensors under the parameter names PEFT's module gives them, for
+    ``torch.func.functional_call`` (the base weight in nn.Linear layout, a view)."""
+    base_weight = weight.t() if fan_in_fan_out else weight  # nn.Linear layout (d_out, d_in), a view
+    params = {
+        "base_layer.weight": base_weight,
+        f"lora_A.{ADAPTER}.weight": lora_A,
+        f"lora_B.{ADAPTER}.weight": lora_B,
+        f"lora_magnitude_vector.{ADAPTER}.weight": magnitude,
+    }
+    if bias is not None:
+        params["base_layer.bias"] = bias
+    return params
+
+
 def peft_dora_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -181,25 +206,8 @@ def peft_dora_linear(
         x, weight, lora_A, lora_B, magnitude, bias, fan_in_fan_out, float(dropout_p)
     )
     dropout_active = bool(training) and dropout_p > 0.0
-    if dropout_active:
-        if dropout_mask is None:
-            keep = torch.bernoulli(torch.full(x.shape, 1.0 - float(dropout_p), device=x.device))
-        else:
-            keep = dropout_mask.detach()
-        dropout: nn.Module = _KeepMaskDropout(keep, float(dropout_p))
-    else:
-        dropout = nn.Identity()
-
-    base_weight = weight.t() if fan_in_fan_out else weight  # nn.Linear layout (d_out, d_in), a view
-    params = {
-        "base_layer.weight": base_weight,
-        f"lora_A.{ADAPTER}.weight": lora_A,
-        f"lora_B.{ADAPTER}.weight": lora_B,
-        f"lora_magnitude_vector.{ADAPTER}.weight": magnitude,
-    }
-    if bias is not None:
-        params["base_layer.bias"] = bias
-
+    dropout = _dropout_module(x, float(dropout_p), dropout_mask) if dropout_active else nn.Identity()
+    params = _substituted_params(weight, lora_A, lora_B, magnitude, bias, fan_in_fan_out)
     with _lock:
         module = _peft_module(
             d_in, d_out, r, weight.dtype, lora_A.dtype, magnitude.dtype, bias is not None, x.device

@@ -1,7 +1,7 @@
 """What a permutation of the output features may move, on this platform, and no more.
 
 Bitwise equivariance is not a property of BLAS: on an AMD EPYC (AVX2) with torch's CPU
-build, ``x @ W.t()`` in fp32 gives other bits when the rows of W are permuted (DESIGN
+build, ``x @ W.t()`` in fp32 gives other bits when the rows of W are permuted (docs/design.md
 section 3). So a permutation check may not demand bitwise-permuted outputs.
 ``permutation_slack`` allows, per element of y = b + g⊙z (z = x·Wᵀ + s·(x·Aᵀ)·Bᵀ, g = m/n):
 

@@ -5,7 +5,7 @@ asks for. The hypothesis strategies (``strategies.py``) and ``doracheck verify``
 it, so a failing hypothesis example is reproducible from its arguments alone.
 
 Magnitudes sit near the norm: m_i = n_i·(1 + δ_i) with δ log-uniform over [1e-7, 1e-1] and
-random sign (DESIGN section 2: trained magnitudes concentrate near g = 1).
+random sign (docs/design.md section 2: trained magnitudes concentrate near g = 1).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Naive same-precision baselines: what an eager implementation computes in the input dtype.
 
-They are the other half of the baseline-ratio check (DESIGN section 3) and the witnesses
+They are the other half of the baseline-ratio check (docs/design.md section 3) and the witnesses
 that the stable compose matters: near g ≈ 1 the naive low-precision compose loses the
 magnitude (``g`` rounds to 1 in bf16 when |g - 1| < 2**-9).
 """
@@ -61,7 +61,7 @@ def naive_compose(
 ) -> torch.Tensor:
     """``b + g·(base + s·lora)`` with g rounded to base.dtype and every step in that dtype.
 
-    The form DESIGN section 2 forbids: near g ≈ 1 it cancels and rounds the magnitude away.
+    The form docs/design.md section 2 forbids: near g ≈ 1 it cancels and rounds the magnitude away.
     """
     dt = base.dtype
     out = g.to(dt) * (base + scaling * lora.to(dt))

@@ -1,6 +1,6 @@
 """The float64 oracles: the functions every implementation in doracheck is judged by.
 
-Math (DESIGN section 1), with ``W`` (d_out, d_in), ``A`` (r, d_in), ``B`` (d_out, r):
+Math (docs/design.md section 1), with ``W`` (d_out, d_in), ``A`` (r, d_in), ``B`` (d_out, r):
 
     V   = W + s·B·A                      n_i = ||V_i||_2
     g   = m / max(n, eps)                eps = 1e-12

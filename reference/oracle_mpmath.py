@@ -157,7 +157,7 @@ def mp_compose(
 ) -> torch.Tensor:
     """The compose b + g⊙(base + s·lora) on given (already rounded) inputs, correctly rounded to float64.
 
-    This is the quantity the 0.5-ulp property of DESIGN section 2 is stated for.
+    This is the quantity the 0.5-ulp property of docs/design.md section 2 is stated for.
     """
     flat_base = base.detach().to(torch.float64).reshape(-1, base.shape[-1])
     flat_lora = lora.detach().to(torch.float64).reshape(-1, base.shape[-1])

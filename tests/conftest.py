@@ -19,7 +19,7 @@ else:
     # cuBLAS is bitwise reproducible only with a fixed workspace configuration (PyTorch's
     # reproducibility notes); set before the first cuBLAS handle so determinism tests hold.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    from doracheck.testing import gpu_for_worker
+    from doracheck.properties.gpu_workers import gpu_for_worker
 
     _gpu = gpu_for_worker(os.environ.get("PYTEST_XDIST_WORKER"), torch.cuda.device_count())
     if _gpu is not None:

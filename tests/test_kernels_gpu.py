@@ -225,7 +225,7 @@ def test_timed_planning_on_the_gpu_measures_once_and_stays_within_budget():
 
 
 def test_our_gemms_reduce_in_fp32_and_the_callers_setting_is_restored():
-    """DESIGN section 2: cuBLAS may reduce split-K partials in 16 bits while torch's
+    """docs/design.md section 2: cuBLAS may reduce split-K partials in 16 bits while torch's
     allow_fp16/bf16_reduced_precision_reduction are True (their default); every GEMM doracheck
     issues runs with them off, and the caller's setting is back afterwards."""
     from torch.utils._python_dispatch import TorchDispatchMode

@@ -11,7 +11,7 @@ Proves, on hand-built bit patterns (so no metric is checked against itself):
   against fp64 over several seeds and is not vacuous.
 - The naive bf16 compose (g rounded to bf16) visibly misses the 0.5-ulp property near
   g ≈ 1 while ``doracheck.compose`` (fp32 math, one rounding) keeps it: the witness that
-  the stable compose of DESIGN section 2 matters, and that the metric can tell.
+  the stable compose of docs/design.md section 2 matters, and that the metric can tell.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Planted bugs make the property suite fail: each mutant is caught by at least the named property.
 
-Mutants (DESIGN section 2 and issue 4): a compose rounded naively in the low dtype; a norm
-accumulated in bf16; a magnitude gradient missing its 1/n; a norm over the wrong axis; a
-norm cache that ignores in-place updates.
+Gross mutants ("Mutants measure strength", docs/design.md section 3): a compose rounded
+naively in the low dtype; a norm accumulated in bf16; a magnitude gradient missing its 1/n;
+a norm over the wrong axis; a norm cache that ignores in-place updates.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import doracheck
-import doracheck.autograd
+import doracheck.dispatch
 import doracheck.norm_cache
-from doracheck.implementations import doracheck_implementation
 from doracheck.kernels import FactoredNorm
 from doracheck.properties import Implementation, run_suite
+from doracheck.properties.implementations import doracheck_implementation
 
 
 def _rows(weight, fan_in_fan_out):
@@ -51,13 +51,20 @@ def _bf16_accumulated_terms(weight, lora_A, lora_B, scaling, *, fan_in_fan_out=F
 
 @contextlib.contextmanager
 def bf16_norm():
-    original = doracheck.autograd.factored_norm_full
-    doracheck.autograd.factored_norm_full = lambda *a, need_factors=False, **k: _bf16_accumulated_terms(*a, **k)
+    """Every backend's factored norm swapped for one that accumulates in bf16."""
+    original = doracheck.dispatch.backend_for
+
+    def bf16_norm_backend(*tensors):
+        return original(*tensors)._replace(
+            factored_norm=lambda w, a, b, s, fif, need_factors=False: _bf16_accumulated_terms(w, a, b, s, fan_in_fan_out=fif)
+        )
+
+    doracheck.dispatch.backend_for = bf16_norm_backend
     doracheck.norm_cache.clear_norm_cache()
     try:
         yield
     finally:
-        doracheck.autograd.factored_norm_full = original
+        doracheck.dispatch.backend_for = original
         doracheck.norm_cache.clear_norm_cache()
 
 

@@ -1,6 +1,6 @@
 """doracheck.dora_linear (torch path) against PEFT 0.21's DoRA, in float32.
 
-PEFT is the reference implementation of DoRA's semantics (DESIGN section 1). Each test
+PEFT is the reference implementation of DoRA's semantics (docs/design.md section 1). Each test
 builds a tiny model, wraps it with ``peft.get_peft_model(LoraConfig(use_dora=True, ...))``
 so that the targeted layer becomes a ``peft.tuners.lora.Linear`` whose DoRA part is a
 ``peft.tuners.lora.dora.DoraLinearLayer``, overwrites the adapter with random non-zero

@@ -1,4 +1,4 @@
-"""The suite on a platform whose GEMMs are not bitwise permutation-equivariant (DESIGN section 3).
+"""The suite on a platform whose GEMMs are not bitwise permutation-equivariant (docs/design.md section 3).
 
 Some CPUs (an AMD EPYC with torch's AVX2 build, for one) give other bits for ``x @ W.t()`` when
 the rows of W are permuted. CI cannot choose its machine, so this test makes such a platform on
@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import doracheck
 from doracheck.dispatch import use_path
-from doracheck.implementations import doracheck_implementation
 from doracheck.properties import make_problem, props, run_suite
+from doracheck.properties.implementations import doracheck_implementation
 from doracheck.reference import ulp_distance
 
 aten = torch.ops.aten

@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 
 import doracheck
 from doracheck.dispatch import use_path
-from doracheck.implementations import doracheck_implementation
 from doracheck.properties import Implementation, all_budgets, device_family, props
+from doracheck.properties.implementations import doracheck_implementation
 from doracheck.properties.problems import make_problem
 from doracheck.properties.strategies import problems
 from doracheck.reference import naive_compose, peft_style_dora
@@ -137,7 +137,7 @@ def test_budget_rows_can_fail():
             assert b.ulp <= 1.0, b
         if b.ratio_k is not None:
             assert b.ratio_k <= 2 and b.floor_repr <= 1, b  # looser lets a 1.01x gradient through (test_mutations)
-        # A bound, not a fit (DESIGN section 3): no row may come from the implementation's own error.
+        # A bound, not a fit (docs/design.md section 3): no row may come from the implementation's own error.
         assert not any(tag in b.note.lower() for tag in ("observed", "2x", "calibrate", "max ")), f"a row fitted to our own error: {b}"
         assert b.family == "*" or "bound" in b.note, f"a family row must name the bound it states: {b}"
 

@@ -196,7 +196,7 @@ def test_tracing_outside_dynamo_does_not_poison_the_zero_addend():
     later eager backwards use."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import doracheck.autograd as ag
+    import doracheck.backward as ag
 
     ag._ZEROS.clear()
     with FakeTensorMode():

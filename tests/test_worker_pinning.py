@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from doracheck.testing import gpu_for_worker
+from doracheck.properties.gpu_workers import gpu_for_worker
 
 
 @pytest.mark.parametrize(

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from doracheck.kernels.constants import EPS
 from doracheck.reference import ulp_error
 
 from .discovery import ModuleKeys
 
-EPS = 1e-12
 CANCELLATION_LIMIT = 1e3
 PROBE_TOKENS = 8
 ROW_BLOCK = 1024

@@ -19,7 +19,6 @@ measurement and judged on the row's. Exit 0, or 2 on bad arguments.
 
 from __future__ import annotations
 
-import csv
 import json
 import sys
 
@@ -56,32 +55,6 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def _measure_row(args, planner, name, device, d_in, d_out, r, T, dt, mode) -> dict:
-    training = mode == "train"
-    dt_name = next(k for k, v in DTYPES.items() if v == dt)
-    row = {"device": name, "torch": torch.__version__, "d_in": d_in, "d_out": d_out, "r": r, "tokens": T,
-           "dtype": dt_name, "mode": mode}
-    if args.plan:
-        p = planner.plan(d_in, d_out, r, T, dt, training)
-        measured = planner.measure_variants(p.candidates, d_in, d_out, r, T, dt, training, device, args.reps,
-                                            with_linear=True)
-        row["linear_ms"] = measured.pop("nn.Linear")
-        fastest = min(measured, key=lambda k: measured[k])
-        row.update(chosen=p.variant.name, fastest=fastest, predicted_ms=p.predicted_ms, measured_ms=measured,
-                   chosen_over_fastest=measured[p.variant.name] / measured[fastest])
-        if args.timed:  # the timing mode's own, fresh measurement picks; the row's measurement judges it
-            timed = planner.plan(d_in, d_out, r, T, dt, training, timed=True, device=device, refresh=True,
-                                 measure=lambda *a, **k: planner.measure_variants(*a, **k, rounds=args.reps))
-            row.update(timed_chosen=timed.variant.name,
-                       timed_chosen_over_fastest=measured[timed.variant.name] / measured[fastest])
-    else:
-        v = planner.plan(d_in, d_out, r, T, dt, training).variant if device.type == "cuda" else planner.DEFAULT
-        measured = planner.measure_variants([v], d_in, d_out, r, T, dt, training, device, args.reps, with_linear=True)
-        row.update(linear_ms=measured["nn.Linear"], variant=v.name, doracheck_ms=measured[v.name])
-        row["ratio_to_linear"] = row["doracheck_ms"] / row["linear_ms"]
-    return row
-
-
 def _format_row(row: dict, plan: bool) -> str:
     head = f"{row['d_in']}x{row['d_out']} r{row['r']} T{row['tokens']} {row['dtype']} {row['mode']:5s} linear {row['linear_ms']:.4f}"
     if plan:
@@ -96,7 +69,7 @@ def _format_row(row: dict, plan: bool) -> str:
 
 
 def run(args) -> int:
-    from doracheck import planner
+    from doracheck.measure import CsvRows, bench_row, plan_summary
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -120,38 +93,29 @@ def run(args) -> int:
     if not args.json:
         print(f"doracheck bench on {name} (median ms per call over {args.reps} samples of back-to-back calls, side by side)",
               flush=True)
-    csv_file = open(args.csv, "w", newline="") if args.csv else None  # noqa: SIM115 (written row by row)
-    writer = None
+    try:
+        csv_rows = CsvRows(args.csv) if args.csv else None
+    except OSError as exc:
+        print(f"doracheck bench: --csv: cannot write {args.csv}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     try:
         for (d_in, d_out, r) in shapes:
             for T in tokens:
                 for dt in dtypes:
                     for mode in modes:
-                        row = _measure_row(args, planner, name, device, d_in, d_out, r, T, dt, mode)
+                        row = bench_row(device, name, d_in, d_out, r, T, dt, mode, args.reps, with_plan=args.plan,
+                                        timed=args.timed)
                         rows.append(row)
-                        if csv_file is not None:  # row by row: a run cut short keeps what it measured
-                            flat = {k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in row.items()}
-                            if writer is None:
-                                writer = csv.DictWriter(csv_file, fieldnames=list(flat))
-                                writer.writeheader()
-                            writer.writerow(flat)
-                            csv_file.flush()
+                        if csv_rows is not None:
+                            csv_rows.write(row)
                         if not args.json:
                             print(_format_row(row, args.plan), flush=True)
                         elif sys.stderr.isatty():
                             print(f"\rdoracheck bench: {len(rows)}/{total}", end="", file=sys.stderr, flush=True)
     finally:
-        if csv_file is not None:
-            csv_file.close()
-    summary = {}
-    if args.plan:
-        within = sum(1 for row in rows if row["chosen_over_fastest"] <= 1.05)
-        choice_rows = [row for row in rows if len(row["measured_ms"]) > 1]
-        summary = {"rows": len(rows), "chosen_within_5pct_of_fastest": within, "fraction": within / max(1, len(rows)),
-                   "rows_with_a_choice": len(choice_rows),
-                   "chosen_within_5pct_where_a_choice": sum(1 for row in choice_rows if row["chosen_over_fastest"] <= 1.05)}
-        if args.timed:
-            summary["timed_within_5pct_of_fastest"] = sum(1 for row in rows if row["timed_chosen_over_fastest"] <= 1.05)
+        if csv_rows is not None:
+            csv_rows.close()
+    summary = plan_summary(rows, args.timed) if args.plan else {}
     if args.json:
         print(json.dumps({"device": name, "rows": rows, "summary": summary}, indent=1))
         return 0

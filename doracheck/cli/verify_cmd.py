@@ -31,7 +31,7 @@ def parse_dtypes(text: str) -> list[str]:
 def impl_and_dtypes(args, command: str):
     """(Implementation, dtype names) from --impl and --dtype, or None after printing the usage
     error (exit code 2 for the caller); shared by verify and calibrate."""
-    from doracheck.implementations import ImplementationError, resolve
+    from doracheck.properties.implementations import ImplementationError, resolve
 
     try:
         return resolve(args.impl), parse_dtypes(args.dtype)

@@ -8,7 +8,7 @@ init, merge, unmerge, state-dict keys, save/load, several adapters, ``set_adapte
 ``disable_adapters`` are PEFT's unchanged. ``disable`` puts the original objects back.
 
 The accelerated forward rewrites PEFT's base output x·Wᵀ + b in place into the DoRA output
-(``doracheck.autograd.DoRAFromBaseFunction``): the factored norm (cached while W, A, B are
+(``doracheck.autograd.DoRAFromBaseFunction``), after the same input checks as ``dora_linear``: the factored norm (cached while W, A, B are
 unchanged, so generation pays for it once), the fused up-projection + stable compose, and a
 backward that computes dx itself, so the base layer's backward GEMM never runs.
 
@@ -30,6 +30,7 @@ from peft.tuners.lora.variants import DoraLinearVariant
 from torch import nn
 
 from doracheck.autograd import dora_from_base
+from doracheck.validation import check_dora_inputs
 
 logger = logging.getLogger("doracheck")
 _ORIGINALS = "_doracheck_original_variants"
@@ -56,6 +57,15 @@ class DoracheckDoraLinearVariant(DoraLinearVariant):
             or (dropout_active and not isinstance(dropout, nn.Dropout))
         ):
             return DoraLinearVariant.forward(module, active_adapter, x, result, **kwargs)
+        lora_A = module.lora_A[active_adapter].weight
+        lora_B = module.lora_B[active_adapter].weight
+        magnitude = module.lora_magnitude_vector[active_adapter].weight
+        scaling = float(module.scaling[active_adapter])
+        check_dora_inputs(x, weight, lora_A, lora_B, magnitude, scaling, base_layer.bias, dropout_p=p if dropout_active else 0.0,
+                          fan_in_fan_out=module.fan_in_fan_out)
+        if result.shape[-1] != lora_B.shape[0] or result.shape[:-1] != x.shape[:-1]:
+            raise ValueError(f"result: expected shape {(*x.shape[:-1], lora_B.shape[0])} (the base layer's output), got "
+                             f"{tuple(result.shape)}")
         keep = None
         if dropout_active and p > 0:
             # The same draw PEFT's dropout(x) would make (same shape, dtype, device, RNG state).
@@ -64,11 +74,11 @@ class DoracheckDoraLinearVariant(DoraLinearVariant):
             x,
             result,
             weight,
-            module.lora_A[active_adapter].weight,
-            module.lora_B[active_adapter].weight,
-            module.lora_magnitude_vector[active_adapter].weight,
+            lora_A,
+            lora_B,
+            magnitude,
             base_layer.bias,
-            module.scaling[active_adapter],
+            scaling,
             module.fan_in_fan_out,
             keep,
             p if keep is not None else 0.0,

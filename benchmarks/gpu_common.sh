@@ -1,5 +1,8 @@
-# Sourced by the H200 session scripts: install, versions, and `step NAME SECONDS CMD...`, which
-# runs a command under `timeout`, logs it to $R/NAME.log and appends its exit code to $R/steps.txt.
+# Sourced by the GPU drivers in benchmarks/ (gpu_check.sh, *_bench.sh, gpu_*_checks.sh), run from
+# the repository root on the device machine: installs the checkout, records the GPUs and versions,
+# and defines `step NAME SECONDS CMD...`, which runs a command under `timeout`, logs it to
+# $R/NAME.log and appends its exit code to $R/steps.txt, and `finish`, which packs $R into
+# $OUT/results.tgz and prints the step table last.
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 R=/tmp/results; mkdir -p "$R"
 PY=python

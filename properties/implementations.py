@@ -4,6 +4,11 @@
 - ``torch``: the same with the pure-torch path forced;
 - ``peft``: PEFT 0.21's own DoRA layer (``doracheck.properties.impl_peft``);
 - ``MODULE:CALLABLE``: any callable with ``dora_linear``'s signature.
+
+This is ``doracheck verify``'s glue between the library and the properties. The library
+(``doracheck``, ``doracheck.planner``, ...) is imported inside the functions, when an
+implementation is resolved, never at import time; ``doracheck.properties``' own ``__init__``
+does not import this module.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import importlib.util
 
 import torch
 
-from doracheck.properties import Implementation
+from .props_common import Implementation
 
 
 class ImplementationError(Exception):

@@ -1,4 +1,10 @@
-"""Helpers for test runners: which GPU a pytest-xdist worker uses."""
+"""Pinning each pytest-xdist worker to one GPU: the documented helper for multi-GPU test runs.
+
+``gpu_for_worker(os.environ.get("PYTEST_XDIST_WORKER"), torch.cuda.device_count())`` gives the
+GPU index worker gwN should use (N mod the GPU count), or None to keep the default device;
+``tests/conftest.py`` calls it at collection time and passes the index to
+``torch.cuda.set_device``, so ``pytest -n K`` spreads its workers over the GPUs.
+"""
 
 from __future__ import annotations
 

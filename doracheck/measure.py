@@ -1,0 +1,135 @@
+"""Measuring the layer, above it: the planner's candidates timed side by side, and the rows
+``doracheck bench`` prints (docs/design.md section 5).
+
+The planner predicts from a cost model and never imports the layer; timed planning reaches it
+through ``planner.plan(measure=...)`` with ``measure_variants`` from here (``doracheck``
+registers it with ``planner.set_measure`` at import). Times follow ``doracheck.timing``: warm-up,
+then CUDA events (the host clock on a CPU), medians over samples of back-to-back calls.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import planner
+from .functional import dora_linear
+from .planner import Variant, use_variant
+from .timing import quantile, time_interleaved
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def measure_variants(variants: list[Variant], d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype,
+                     training: bool, device: torch.device | str = "cuda", rounds: int = 15, *, dropout: bool = False,
+                     detach_norm: bool = True, with_linear: bool = False) -> dict[str, float]:
+    """Median ms of one call of ``dora_linear`` under each variant, measured side by side
+    (``timing.time_interleaved``: round-robin, back-to-back calls per sample) on one set of
+    random, non-zero inputs; the norm cache is warm, as in a step. ``training``: forward and
+    backward with every input but W requiring grad; ``dropout``: p = 0.1 in training mode.
+    ``with_linear`` adds "nn.Linear", the plain layer on the same x and W, to the same rounds."""
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+    W = (torch.randn(d_out, d_in, generator=gen) / d_in**0.5).to(dev, dtype)
+    A = (torch.randn(r, d_in, generator=gen) / d_in**0.5).to(dev, dtype).requires_grad_(training)
+    B = (torch.randn(d_out, r, generator=gen) * 0.02).to(dev, dtype).requires_grad_(training)
+    m = (1 + 0.01 * torch.randn(d_out, generator=gen)).to(dev, dtype).requires_grad_(training)
+    x = torch.randn(tokens, d_in, generator=gen).to(dev, dtype).requires_grad_(training)
+    dy = torch.randn(tokens, d_out, generator=gen).to(dev, dtype)
+    p = 0.1 if dropout else 0.0
+
+    def under(v: Variant) -> Callable[[], None]:
+        def call() -> None:
+            with use_variant(v):
+                if training:
+                    dora_linear(x, W, A, B, m, 2.0, dropout_p=p, training=dropout,
+                                         detach_norm=detach_norm).backward(dy)
+                    for t in (x, A, B, m):
+                        t.grad = None
+                else:
+                    with torch.no_grad():
+                        dora_linear(x, W, A, B, m, 2.0, dropout_p=p, training=dropout, detach_norm=detach_norm)
+        return call
+
+    def linear() -> None:
+        if training:
+            torch.nn.functional.linear(x, W).backward(dy)
+            x.grad = None
+        else:
+            with torch.no_grad():
+                torch.nn.functional.linear(x, W)
+
+    fns = {v.name: under(v) for v in variants}
+    if with_linear:
+        fns["nn.Linear"] = linear
+    with torch.enable_grad():  # also when planning from inside a forward (autograd Functions run without grad)
+        times = time_interleaved(fns, dev, rounds)
+    return {name: quantile(t, 0.5) for name, t in times.items()}
+
+
+def bench_row(device: torch.device, device_name: str, d_in: int, d_out: int, r: int, T: int, dt: torch.dtype, mode: str,
+              reps: int, *, with_plan: bool = False, timed: bool = False) -> dict:
+    """One row of ``doracheck bench``: nn.Linear and doracheck (the planner's variant on a GPU,
+    the default elsewhere), or with ``with_plan`` every candidate predicted against measured,
+    the cost model's pick and the fastest; ``timed`` adds the timing mode's own pick, made from
+    a fresh measurement and judged on this row's."""
+    training = mode == "train"
+    row: dict[str, Any] = {"device": device_name, "torch": torch.__version__, "d_in": d_in, "d_out": d_out, "r": r, "tokens": T,
+           "dtype": DTYPE_NAMES[dt], "mode": mode}
+    if not with_plan:
+        v = planner.plan(d_in, d_out, r, T, dt, training).variant if device.type == "cuda" else planner.DEFAULT
+        measured = measure_variants([v], d_in, d_out, r, T, dt, training, device, reps, with_linear=True)
+        row.update(linear_ms=measured["nn.Linear"], variant=v.name, doracheck_ms=measured[v.name])
+        row["ratio_to_linear"] = row["doracheck_ms"] / row["linear_ms"]
+        return row
+    p = planner.plan(d_in, d_out, r, T, dt, training)
+    measured = measure_variants(p.candidates, d_in, d_out, r, T, dt, training, device, reps, with_linear=True)
+    row["linear_ms"] = measured.pop("nn.Linear")
+    fastest = min(measured, key=lambda k: measured[k])
+    row.update(chosen=p.variant.name, fastest=fastest, predicted_ms=p.predicted_ms, measured_ms=measured,
+               chosen_over_fastest=measured[p.variant.name] / measured[fastest])
+    if timed:
+        t = planner.plan(d_in, d_out, r, T, dt, training, timed=True, device=device, refresh=True,
+                         measure=functools.partial(measure_variants, rounds=reps))
+        row.update(timed_chosen=t.variant.name, timed_chosen_over_fastest=measured[t.variant.name] / measured[fastest])
+    return row
+
+
+def plan_summary(rows: list[dict], timed: bool) -> dict:
+    """How often the planner's pick is within 5% of the fastest measured (``bench --plan``)."""
+    within = sum(1 for row in rows if row["chosen_over_fastest"] <= 1.05)
+    choice_rows = [row for row in rows if len(row["measured_ms"]) > 1]
+    summary = {"rows": len(rows), "chosen_within_5pct_of_fastest": within, "fraction": within / max(1, len(rows)),
+               "rows_with_a_choice": len(choice_rows),
+               "chosen_within_5pct_where_a_choice": sum(1 for row in choice_rows if row["chosen_over_fastest"] <= 1.05)}
+    if timed:
+        summary["timed_within_5pct_of_fastest"] = sum(1 for row in rows if row["timed_chosen_over_fastest"] <= 1.05)
+    return summary
+
+
+class CsvRows:
+    """Rows written to a CSV file as they come (a run cut short keeps what it measured); dict
+    cells as JSON. The header is the first row's keys."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "w", newline="")  # noqa: SIM115 (closed by close())
+        self._writer: csv.DictWriter | None = None
+
+    def write(self, row: dict) -> None:
+        flat = {k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in row.items()}
+        if self._writer is None:
+            self._writer = csv.DictWriter(self._file, fieldnames=list(flat))
+            self._writer.writeheader()
+        self._writer.writerow(flat)
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+__all__ = ["CsvRows", "bench_row", "measure_variants", "plan_summary"]

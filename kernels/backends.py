@@ -1,0 +1,131 @@
+"""The backend table: the same op set in a torch twin and a Triton twin (docs/design.md section 5).
+
+A ``Backend`` is a NamedTuple of functions with one signature per op, whatever runs them. The
+layer (``doracheck.forward`` / ``doracheck.backward``) holds one backend per call, chosen once by
+``doracheck.dispatch.backend_for``, and never asks which one it holds. Adding a kernel is one
+file beside its torch twin and one entry in each backend below (docs/design.md section 7).
+
+Ops (``cd``: the compute dtype of ``base``; ``g`` = m / max(n, eps) in fp32; ``s`` the scaling):
+- ``factored_norm(weight, lora_A, lora_B, s, fan_in_fan_out, need_factors) -> FactoredNorm``;
+  ``need_factors`` asks for U = W·Aᵀ and G = A·Aᵀ too (the exact-norm backward), which only the
+  torch twin forms: the Triton twin hands those calls to it.
+- ``compose_infer(base, xa, lora_B, m, n_safe, bias, s, base_has_bias) -> y``: inference,
+  y = b + g⊙(base [- b] + s·xa·Bᵀ) with g = m / n_safe formed by the op.
+- ``compose_saving(base, xa, lora_B, g, bias, s, base_has_bias, output_may_stand_for_z)
+  -> (y, h, from_output)``: training, y as above and what the backward reads: h = z, or, where
+  the op allows it (Triton, no bias) and the caller says the output may stand for z, h = y
+  itself and ``from_output`` True (g⊙z = y, so no T×d_out buffer is kept).
+- ``compose_dropout(base, base_dropped, xa, lora_B, g, bias, s) -> (y, z_d)``.
+- ``grad_scale_dm(dy, h, g, n, bias, from_output, final_dm, reduce) -> (dz, dm partials)``.
+- ``dm_lost_rows(dm, dy, x, weight_rows, xa, lora_B, g, n, s) -> dm`` with the features whose z
+  the saved output lost recomputed (may write into ``dm``).
+Ops that may write into ``base`` or ``dm`` in eager return the tensor to use; callers use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from .compose_torch import (
+    dm_lost_rows_torch,
+    grad_scale_dm_torch,
+    lora_up_compose_dropout_torch,
+    lora_up_compose_torch,
+)
+from .norm_torch import FactoredNorm, factored_norm_torch
+
+
+class Backend(NamedTuple):
+    name: str
+    factored_norm: Callable[..., FactoredNorm]
+    compose_infer: Callable[..., torch.Tensor]
+    compose_saving: Callable[..., tuple[torch.Tensor, torch.Tensor, bool]]
+    compose_dropout: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    grad_scale_dm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    dm_lost_rows: Callable[..., torch.Tensor]
+
+
+# --- the torch twins -----------------------------------------------------------------------
+
+
+def _norm_torch(weight, lora_A, lora_B, scaling, fan_in_fan_out, need_factors=False) -> FactoredNorm:
+    return factored_norm_torch(weight, lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out)
+
+
+def _compose_infer_torch(base, xa, lora_B, magnitude, n_safe, bias, scaling, base_has_bias=False) -> torch.Tensor:
+    g = torch.div(magnitude, n_safe)  # a 16-bit m is read as fp32 by the division itself
+    return lora_up_compose_torch(base, xa, lora_B, g, bias, scaling, base_has_bias)[0]
+
+
+def _compose_saving_torch(base, xa, lora_B, g, bias, scaling, base_has_bias, output_may_stand_for_z):
+    # The torch path always keeps z: dm from y/g would round differently from the oracle's order.
+    y, z = lora_up_compose_torch(base, xa, lora_B, g, bias, scaling, base_has_bias)
+    return y, z, False
+
+
+def _grad_scale_dm_torch(dy, h, g, n, bias, from_output, final_dm, reduce):
+    return grad_scale_dm_torch(dy, h, g, n, bias, from_output=from_output, final_dm=final_dm, reduce=reduce)
+
+
+TORCH = Backend(
+    name="torch",
+    factored_norm=_norm_torch,
+    compose_infer=_compose_infer_torch,
+    compose_saving=_compose_saving_torch,
+    compose_dropout=lora_up_compose_dropout_torch,
+    grad_scale_dm=_grad_scale_dm_torch,
+    dm_lost_rows=dm_lost_rows_torch,
+)
+
+
+# --- the Triton twins (imported on first use: triton may be absent) -------------------------
+
+
+_TRITON: list[Backend] = []
+
+
+def triton_backend() -> Backend:
+    """The Triton backend (built on first use); its kernels go through ``ops.call`` (direct
+    launches in eager, torch.library ops while torch.compile traces)."""
+    if not _TRITON:
+        _TRITON.append(_build_triton_backend())
+    return _TRITON[0]
+
+
+def by_name(name: str) -> Backend:
+    """The backend called ``name`` ("torch" or "triton"): a backward finds its forward's here."""
+    return TORCH if name == "torch" else triton_backend()
+
+
+def _build_triton_backend() -> Backend:
+    from . import ops
+
+    def norm(weight, lora_A, lora_B, scaling, fan_in_fan_out, need_factors=False) -> FactoredNorm:
+        if need_factors:  # U and G: only the torch twin forms them
+            return _norm_torch(weight, lora_A, lora_B, scaling, fan_in_fan_out)
+        base, cross, lora, n = ops.call("factored_norm", weight, lora_A, lora_B, float(scaling), fan_in_fan_out)
+        return FactoredNorm(base, cross, lora, n, None, None)
+
+    def compose_saving(base, xa, lora_B, g, bias, scaling, base_has_bias, output_may_stand_for_z):
+        if bias is None and output_may_stand_for_z:  # y = g⊙z: the backward reads y itself
+            y = ops.call("lora_up_compose_", base, xa, lora_B, g, None, scaling)
+            return y, y, True
+        y, z = ops.call("lora_up_compose_save_z_", base, xa, lora_B, g, bias, scaling, base_has_bias)
+        return y, z, False
+
+    def compose_dropout(base, base_dropped, xa, lora_B, g, bias, scaling):
+        return ops.call("lora_up_compose_dropout", base, base_dropped, xa, lora_B, g, bias, scaling)
+
+    def grad_scale_dm(dy, h, g, n, bias, from_output, final_dm, reduce):
+        return ops.call("grad_scale_dm", dy, h, g, n, bias, from_output, final_dm, reduce)
+
+    def dm_lost_rows(*args: Any) -> torch.Tensor:
+        return ops.call("dm_lost_rows_", *args)
+
+    def compose_infer(*args: Any) -> torch.Tensor:
+        return ops.compose_infer_(*args)
+
+    return Backend("triton", norm, compose_infer, compose_saving, compose_dropout, grad_scale_dm, dm_lost_rows)

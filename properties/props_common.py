@@ -1,0 +1,92 @@
+"""What every property shares: the ``Implementation`` under test and the result helpers.
+
+An implementation is an ``Implementation``: a callable with ``dora_linear``'s signature and,
+optionally, a norm function (``factored_norm``'s signature, ``return_terms=True`` supported)
+and a module class with ``from_linear``/``merge``/``unmerge`` (``DoRALinear``'s API).
+Properties that need a piece the implementation lacks report "n/a" (``_na``).
+
+Also here: NaN-aware worst-case tracking (``_worse``, ``_worst_of``), one call of the
+implementation on a ``Problem`` (``_call``), its gradients for x, A, B, m and b (``_grads``),
+and the budget-field lookup (``_field``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .budgets import DTYPES
+from .problems import Problem
+from .results import CheckResult
+
+GRAD_NAMES = ("dx", "dA", "dB", "dm", "db")
+
+
+@dataclass
+class Implementation:
+    """An implementation under test: ``dora_linear`` and, when it has them, its norm, module class,
+    cache reset and declared norm-memory bound (properties needing a missing piece are n/a)."""
+
+    name: str
+    dora_linear: Callable[..., torch.Tensor]
+    factored_norm: Callable[..., object] | None = None
+    module_cls: type | None = None
+    clear_cache: Callable[[], None] | None = None
+    norm_memory_bound: Callable[..., int] | None = None  # (d_out, d_in, r, device, lora_B_dtype=) -> bytes it declares
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}[dtype]
+
+
+def _worse(err: float, worst: float) -> bool:
+    """NaN-aware "err is worse than worst": NaN beats everything and is never replaced."""
+    if math.isnan(worst):
+        return False
+    return math.isnan(err) or err > worst
+
+
+def _worst_of(errors) -> float:
+    out = 0.0
+    for e in errors:
+        if _worse(float(e), out):
+            out = float(e)
+    return out
+
+
+def _na(prop: str, dtype: str, reason: str) -> CheckResult:
+    return CheckResult(prop, dtype, True, 0.0, 0.0, 0, f"n/a: {reason}", status="n/a")
+
+
+def _result(prop: str, dtype: str, worst: float, budget: float, cases: int, detail: str) -> CheckResult:
+    return CheckResult(prop, dtype, bool(worst <= budget), worst, budget, cases, detail)
+
+
+def _call(impl: Implementation, p: Problem, x=None, **kw):
+    return impl.dora_linear(
+        p.x if x is None else x, p.weight, p.lora_A, p.lora_B, p.magnitude, p.scaling, p.bias, fan_in_fan_out=p.fan_in_fan_out, **kw
+    )
+
+
+def _field(budget, name: str) -> float:
+    """A budget field that this property needs (a missing one is a budgets-file defect)."""
+    value = getattr(budget, name)
+    if value is None:
+        raise KeyError(f"budget row {budget.op}/{budget.output}/{budget.dtype}/{budget.family} has no {name}")
+    return float(value)
+
+
+def _grads(fn, p: Problem, dy: torch.Tensor, cast, **kw):
+    """(y, {name: gradient}) for x, A, B, m and b (b only when the problem has a bias)."""
+    names = [k for k, t in zip(GRAD_NAMES, (p.x, p.lora_A, p.lora_B, p.magnitude, p.bias)) if t is not None]
+    tensors = {k: t for k, t in zip(GRAD_NAMES, (p.x, p.lora_A, p.lora_B, p.magnitude, p.bias)) if t is not None}
+    leaves = {k: cast(tensors[k]).requires_grad_() for k in names}
+    y = fn(
+        leaves["dx"], p.weight, leaves["dA"], leaves["dB"], leaves["dm"], p.scaling, leaves.get("db"),
+        fan_in_fan_out=p.fan_in_fan_out, **kw,
+    )
+    grads = torch.autograd.grad(y, [leaves[k] for k in names], dy.to(y.dtype), allow_unused=True)
+    return y.detach(), {k: (g if g is not None else torch.zeros_like(leaves[k])) for k, g in zip(names, grads)}

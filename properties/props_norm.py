@@ -1,0 +1,128 @@
+"""The norm and compose properties: the factored norm's terms and memory, and the compose near g = 1.
+
+ 1 three_term_identity   norm² = base + 2s·cross + s²·lora against the mpmath oracle, each term too
+ 2 norm_memory           the norm's peak extra memory within its declared bound, far below dense
+ 3 compose_near_one      exact intermediates, g = 1 + δ: within 0.5 ulp + an fp32-sized term
+                         (``compose_problem`` builds them, ``compose_error_ulps`` measures)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from doracheck.reference import dora_forward_ref, mp_norm_terms, norm_terms_ref, ulp_of
+from doracheck.reference.oracle_mpmath import MAX_ELEMENTS
+
+from .budgets import budget_for, u
+from .problems import Problem, log_uniform_deltas
+from .props_common import Implementation, _call, _dtype_name, _field, _na, _result, _worse, _worst_of
+from .results import CheckResult
+
+# 1 ---------------------------------------------------------------------------------------
+
+
+def three_term_identity(impl: Implementation, problems: list[Problem], family: str) -> list[CheckResult]:
+    """The implementation's terms and norm² against the mpmath oracle (fp64 oracle above
+    MAX_ELEMENTS), errors relative to the magnitude sum base + 2|s·cross| + s²·lora."""
+    dt = _dtype_name(problems[0].x.dtype)
+    if impl.factored_norm is None:
+        return [_na("norm.three_term", dt, "the implementation exposes no norm function")]
+    worst, label = 0.0, ""
+    for p in problems:
+        d_out, d_in = p.weight_rows.shape
+        small = d_out * d_in * (p.lora_A.shape[0] + 1) <= MAX_ELEMENTS
+        W, A, B = (t.detach().cpu() for t in (p.weight, p.lora_A, p.lora_B))
+        exact = (mp_norm_terms if small else norm_terms_ref)(W, A, B, p.scaling, fan_in_fan_out=p.fan_in_fan_out)
+        got: Any = impl.factored_norm(p.weight, p.lora_A, p.lora_B, p.scaling, fan_in_fan_out=p.fan_in_fan_out, return_terms=True)
+        base, cross, lora, norm = (t.detach().double().cpu() for t in got)
+        s = p.scaling
+        scale = exact.base + 2 * abs(s) * exact.cross.abs() + s * s * exact.lora
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        errs = [
+            ((base - exact.base).abs() / scale).max(),
+            ((2 * s * (cross - exact.cross)).abs() / scale).max(),
+            ((s * s * (lora - exact.lora)).abs() / scale).max(),
+            ((norm * norm - exact.norm * exact.norm).abs() / scale).max(),
+        ]
+        err = _worst_of(errs) if d_out else 0.0
+        if _worse(err, worst):
+            worst, label = err, p.label
+    budget = _field(budget_for("norm_terms", "terms", dt, family), "rel_l2")
+    return [_result("norm.three_term", dt, worst, budget, len(problems), f"worst: {label}")]
+
+
+# 2 ---------------------------------------------------------------------------------------
+
+
+def norm_memory(impl: Implementation, dtype: torch.dtype, family: str, device="cpu", bound: Callable | None = None) -> list[CheckResult]:
+    """Peak extra memory of the norm (CUDA allocator statistics, or a tensor-allocation
+    tracker on the CPU) within the implementation's declared bound and below a quarter of a
+    dense fp32 d_out × d_in temporary. Shape 4096 × 8192, r = 16. Not measured under the
+    Triton interpreter, which copies tensors into numpy (n/a there)."""
+    from .memory import peak_extra_bytes
+
+    dt = _dtype_name(dtype)
+    if impl.factored_norm is None:
+        return [_na("norm.memory", dt, "the implementation exposes no norm function")]
+    if family == "interpreter":
+        return [_na("norm.memory", dt, "the Triton interpreter copies every tensor into numpy; measured on the GPU")]
+    d_out, d_in, r = 4096, 8192, 16
+    gen = torch.Generator().manual_seed(0)
+    W = torch.randn(d_out, d_in, generator=gen).to(device=device, dtype=dtype)
+    A = torch.randn(r, d_in, generator=gen).to(device=device, dtype=dtype)
+    B = torch.randn(d_out, r, generator=gen).to(device=device, dtype=dtype)
+    norm_fn = impl.factored_norm
+    peak = peak_extra_bytes(lambda: norm_fn(W, A, B, 2.0), device)
+    dense = 4 * d_out * d_in
+    limit = min(dense / 4, bound(d_out, d_in, r, device, lora_B_dtype=dtype) if bound else dense / 4)
+    return [_result("norm.memory", dt, float(peak), float(limit), 1, f"peak {peak / 2**20:.1f} MiB, limit {limit / 2**20:.1f} MiB, dense fp32 {dense / 2**20:.0f} MiB")]
+
+
+# 3 ---------------------------------------------------------------------------------------
+
+
+def compose_problem(dtype: torch.dtype, d_out: int = 64, d_in: int = 32, seed: int = 0, device="cpu") -> Problem:
+    """A problem whose GEMM outputs are exact in any dtype: x rows are one-hot, r = 1, A's
+    entries are powers of two, s = 2; so x·Wᵀ = W[:, j] and s·(x·Aᵀ)·Bᵀ = 2·A_j·B exactly,
+    and only the compose rounds. g = 1 + δ with |δ| log-uniform over [1e-7, 1e-1]."""
+    gen = torch.Generator().manual_seed(seed)
+    W = (torch.randn(d_out, d_in, generator=gen) / d_in**0.5).to(dtype)
+    B = (torch.randn(d_out, 1, generator=gen) * 0.5).to(dtype)
+    A = torch.pow(2.0, torch.randint(-3, 4, (1, d_in), generator=gen).to(torch.float64)).to(dtype)
+    x = torch.eye(d_in, dtype=torch.float64)[torch.randperm(d_in, generator=gen)[: min(d_in, 24)]].to(dtype)
+    n = norm_terms_ref(W, A, B, 2.0).norm
+    m = (n * (1 + log_uniform_deltas(d_out, gen))).to(torch.float32)
+    b = (torch.randn(d_out, generator=gen) * 0.5).to(dtype)
+    p = Problem(x, W, A, B, m, 2.0, b, False, f"compose one-hot {d_out}x{d_in} {str(dtype)[6:]} seed{seed}")
+    return p.to(device) if torch.device(device).type != "cpu" else p
+
+
+def compose_error_ulps(y: torch.Tensor, p: Problem, fp32_terms: float) -> torch.Tensor:
+    """(|y - exact| - fp32 allowance) / ulp(exact), elementwise; <= 0.5 passes."""
+    args = [t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in p.args()]
+    exact = dora_forward_ref(*args, fan_in_fan_out=p.fan_in_fan_out)
+    W, A, B = (t.detach().cpu().double() for t in (p.weight_rows, p.lora_A, p.lora_B))
+    x = p.x.detach().cpu().double()
+    z = x @ W.t() + p.scaling * (x @ A.t()) @ B.t()
+    g = p.magnitude.detach().cpu().double() / norm_terms_ref(W, A, B, p.scaling).norm.clamp_min(1e-12)
+    terms = g.abs() * z.abs() + (p.bias.detach().cpu().double().abs() if p.bias is not None else 0)
+    allowance = fp32_terms * u("fp32") * terms
+    err = (y.detach().cpu().double() - exact).abs() - allowance
+    return torch.clamp_min(err, 0) / ulp_of(exact, y.dtype)
+
+
+def compose_near_one(impl: Implementation, dtype: torch.dtype, family: str, seeds=(0, 1, 2), device="cpu") -> list[CheckResult]:
+    dt = _dtype_name(dtype)
+    budget = budget_for("compose", "y", dt, family)
+    worst, label = 0.0, ""
+    for seed in seeds:
+        p = compose_problem(dtype, seed=seed, device=device)
+        with torch.no_grad():
+            y = _call(impl, p)
+        err = _worst_of(compose_error_ulps(y, p, _field(budget, "fp32_terms")).flatten().tolist())
+        if _worse(err, worst):
+            worst, label = err, p.label
+    return [_result("compose.near_one", dt, worst, _field(budget, "ulp"), len(seeds), f"ulps beyond the fp32 allowance; worst: {label}")]
