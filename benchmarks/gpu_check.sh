@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU correctness checks on a two-GPU machine (nvidia-h200-x2). One part per device call (each fits
+# GPU correctness checks; two jobs at once, on two GPUs (nvidia-h200-x2) or sharing one. One part per device call (each fits
 # the 600 s limit); logs go to /tmp/results, packed into $OUT/results.tgz (gpu_common.sh).
 # Usage: bash benchmarks/gpu_check.sh [tests|verify|suite]   (default: tests)
 #   tests   GPU 1: every GPU-marked test (pytest -m gpu; per-case errors recorded under
@@ -17,7 +17,7 @@ source benchmarks/gpu_common.sh
 case "$PART" in
 tests)
   (
-    export CUDA_VISIBLE_DEVICES=1
+    export CUDA_VISIBLE_DEVICES=$SECOND_GPU
     step gpu_tests 300 env DORACHECK_RECORD_ERRORS="$R/errors" $PY -m pytest -m gpu -q -p no:cacheprovider -rsx tests
   ) &
   (
@@ -35,7 +35,7 @@ verify)
     step calibrate 90 $PY -m doracheck calibrate --cases 32 --json
   ) &
   (
-    export CUDA_VISIBLE_DEVICES=1
+    export CUDA_VISIBLE_DEVICES=$SECOND_GPU
     step equivalence 200 $PY benchmarks/equivalence_model.py --json-out "$R/equivalence.json"
   ) &
   wait

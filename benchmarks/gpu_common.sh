@@ -22,3 +22,5 @@ finish() {  # pack everything into $OUT/results.tgz and print the step table las
   tar czf "$OUT/results.tgz" -C /tmp results
   cat "$R/steps.txt"
 }
+# The GPU a driver's second concurrent job uses: GPU 1 on a two-GPU machine, else GPU 0 shared.
+SECOND_GPU=$(( $(nvidia-smi -L | wc -l) > 1 ? 1 : 0 ))

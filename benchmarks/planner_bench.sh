@@ -20,7 +20,7 @@ tables)
     step plan_bf16 330 $PY -m doracheck bench --plan --timed --shapes $SHAPES --tokens 1,256,4096,16384 --dtype bf16 --csv "$R/plan_h200.csv"
   ) &
   (
-    export CUDA_VISIBLE_DEVICES=1 OMP_NUM_THREADS=8
+    export CUDA_VISIBLE_DEVICES=$SECOND_GPU OMP_NUM_THREADS=8
     step plan_fp32 120 $PY -m doracheck bench --plan --timed --shapes 4096x4096r8,4096x4096r1024 --tokens 256,4096,16384 --dtype fp32 --csv "$R/plan_fp32_h200.csv"
   ) &
   wait
