@@ -28,6 +28,7 @@ import torch
 
 from . import norm_cache, planner
 from .kernels.backends import Backend
+from .kernels.compose_torch import magnitude_scale
 from .kernels.constants import EPS
 from .layer_state import LayerArgs, Saved
 
@@ -67,8 +68,7 @@ def norm_and_scale(backend: Backend, a: LayerArgs, *, need_g: bool, recording: b
         )
     else:  # U and G are needed; not worth caching (training-only mode)
         fn, n_safe = compute(True)
-    # m / n_safe with type promotion: a 16-bit m is read as fp32 by the division itself (one op).
-    return fn, (torch.div(a.magnitude, n_safe) if need_g else None), n_safe
+    return fn, (magnitude_scale(a.magnitude, n_safe) if need_g else None), n_safe
 
 
 def _contiguous_bias(bias: torch.Tensor | None) -> torch.Tensor | None:

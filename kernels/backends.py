@@ -34,6 +34,7 @@ from .compose_torch import (
     grad_scale_dm_torch,
     lora_up_compose_dropout_torch,
     lora_up_compose_torch,
+    magnitude_scale,
 )
 from .norm_torch import FactoredNorm, factored_norm_torch
 
@@ -56,7 +57,7 @@ def _norm_torch(weight, lora_A, lora_B, scaling, fan_in_fan_out, need_factors=Fa
 
 
 def _compose_infer_torch(base, xa, lora_B, magnitude, n_safe, bias, scaling, base_has_bias=False) -> torch.Tensor:
-    g = torch.div(magnitude, n_safe)  # a 16-bit m is read as fp32 by the division itself
+    g = magnitude_scale(magnitude, n_safe)
     return lora_up_compose_torch(base, xa, lora_B, g, bias, scaling, base_has_bias)[0]
 
 

@@ -44,6 +44,13 @@ def compose_torch(
     return out
 
 
+def magnitude_scale(magnitude: torch.Tensor, n_safe: torch.Tensor) -> torch.Tensor:
+    """g = m / max(n, eps) from n_safe = max(n, eps): one division with type promotion, so a
+    16-bit m is read as fp32 by the division itself and g is never rounded to 16 bits. The one
+    place g is formed outside the kernels (which form it in registers from the same operands)."""
+    return torch.div(magnitude, n_safe)
+
+
 def _acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """fp32, or fp64 where any input is fp64 (gradcheck)."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.library import triton_op
 
+from .compose_torch import magnitude_scale
 from .compose_triton import grad_scale_dm_triton, lora_up_compose_triton
 from .lost_rows_triton import dm_lost_rows_triton
 from .norm_triton import factored_norm_triton
@@ -151,7 +152,7 @@ def compose_infer_(
     formed inside the kernel; in eager written in place into ``base``. While tracing: g in torch
     and the functional op (then use the returned tensor)."""
     if tracing():
-        g = torch.div(magnitude, n_safe)
+        g = magnitude_scale(magnitude, n_safe)
         if base_has_bias and bias is not None:
             return torch.ops.doracheck.lora_up_compose_save_z(base, xa, lora_B, g, bias, scaling, True)[0]
         return torch.ops.doracheck.lora_up_compose(base, xa, lora_B, g, bias, scaling)
