@@ -3,7 +3,9 @@
 - ``doracheck``: the public API (Triton on CUDA, torch elsewhere), with its norm, module and cache;
 - ``torch``: the same with the pure-torch path forced;
 - ``peft``: PEFT 0.21's own DoRA layer (``doracheck.properties.impl_peft``);
-- ``MODULE:CALLABLE``: any callable with ``dora_linear``'s signature.
+- ``MODULE:CALLABLE``: any callable with ``dora_linear``'s signature, or ``MODULE:NAME`` naming an
+  ``Implementation`` (a norm function and a module class with it); ``doracheck:dora_linear`` and
+  ``doracheck.properties.impl_peft:peft_dora_linear`` are doracheck and ``peft`` in full.
 
 This is ``doracheck verify``'s glue between the library and the properties. The library
 (``doracheck``, ``doracheck.planner``, ...) is imported inside the functions, when an
@@ -93,6 +95,20 @@ def resolve(spec: str) -> Implementation:
     except ImportError as exc:
         raise ImplementationError(f"--impl: cannot import module {module_name!r}: {exc}") from None
     fn = getattr(module, attr, None)
+    if isinstance(fn, Implementation):  # a norm function and a module class come with it
+        return fn
     if not callable(fn):
         raise ImplementationError(f"--impl: {module_name!r} has no callable {attr!r}")
-    return Implementation(name=spec, dora_linear=fn)
+    return _known(fn) or Implementation(name=spec, dora_linear=fn)
+
+
+def _known(fn) -> Implementation | None:
+    """The full implementation behind a callable that is one of ours: ``doracheck:dora_linear``
+    is doracheck (with its norm, module and cache), the PEFT wrapper is ``peft``."""
+    import doracheck
+
+    if fn is doracheck.dora_linear:
+        return doracheck_implementation()
+    if getattr(fn, "__module__", "") == "doracheck.properties.impl_peft" and getattr(fn, "__name__", "") == "peft_dora_linear":
+        return Implementation(name="peft", dora_linear=fn)
+    return None

@@ -7,7 +7,9 @@ Profiles: ``quick`` (one seed per shape; under 2 minutes on a 2-core CPU) and ``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 from . import props
 from .budgets import DTYPES, device_family
@@ -26,9 +28,61 @@ def _guard(name: str, dtype: str, fn: Callable[..., list[CheckResult]], *args, *
         return [CheckResult(name, dtype, False, float("inf"), 0.0, 0, f"raised {type(exc).__name__}: {str(exc)[:200]}")]
 
 
+class SuiteItem(NamedTuple):
+    """One property group in one dtype: what ``verify`` reports a progress step for and the pytest
+    plugin collects as one test item. ``run()`` gives its rows (``run_item`` guards it)."""
+
+    name: str  # e.g. "compose.near_one", "accuracy" (forward.y and backward.*)
+    dtype: str
+    message: str  # the progress line
+    run: Callable[[], list[CheckResult]]
+
+
+def suite_items(impl: props.Implementation, dtypes: list[str], profile: str = "quick", device: str = "cpu") -> list[SuiteItem]:
+    """Every item of the suite, in verify's order. Problems are built when an item first runs
+    (cached per dtype), from fixed seeds: every process builds the same items and inputs."""
+    family = device_family(device)
+    items = [SuiteItem("grad.gradcheck", "fp64", "gradcheck (fp64)", lambda: props.gradcheck_fp64(impl, family))]
+    for dt in dtypes:
+        items += _dtype_items(impl, dt, profile, device, family)
+    return items
+
+
+def _dtype_items(impl: props.Implementation, dt: str, profile: str, device: str, family: str) -> list[SuiteItem]:
+    dtype = DTYPES[dt]
+
+    @functools.cache
+    def cases():
+        return cases_for(dtype, device, profile)
+
+    def small():
+        return [make_problem(7, 13, 3, 4, dtype, seed=1, device=device),
+                make_problem(9, 11, 3, 4, dtype, seed=2, kind="cancel", device=device)]
+
+    def item(name: str, message: str, run: Callable[[], list[CheckResult]]) -> SuiteItem:
+        return SuiteItem(name, dt, f"{dt}: {message}", run)
+
+    return [
+        item("norm.three_term", "norm terms", lambda: props.three_term_identity(impl, small(), family)),
+        item("norm.memory", "norm memory", lambda: props.norm_memory(impl, dtype, family, device, impl.norm_memory_bound)),
+        item("compose.near_one", "compose near g = 1", lambda: props.compose_near_one(impl, dtype, family, device=device)),
+        item("accuracy", "forward and backward against the fp64 oracle", lambda: props.backward_vs_oracle(impl, cases(), family)),
+        item("meta", "metamorphic relations", lambda: props.metamorphic(impl, cases()[1], family)),
+        item("ratio", "baseline ratio", lambda: props.baseline_ratio_checks(impl, cases(), family)),
+        item("merge", "merge and unmerge", lambda: props.merge_unmerge(impl, dtype, family, device)),
+        item("edge", "edge cases", lambda: props.determinism_edges(impl, dtype, family, device)),
+        item("cache.no_stale", "no stale norm", lambda: props.no_stale_cache(impl, dtype, family, device)),
+    ]
+
+
+def run_item(item: SuiteItem) -> list[CheckResult]:
+    """The item's rows; a mode the implementation lacks is n/a, an exception a failure."""
+    return _guard(item.name, item.dtype, item.run)
+
+
 def suite_steps(dtypes: list[str]) -> int:
-    """How many progress messages ``run_suite`` sends for these dtypes (for a count and an ETA)."""
-    return 1 + 5 * len(dtypes)
+    """How many progress messages ``run_suite`` sends for these dtypes (one per item)."""
+    return 1 + 9 * len(dtypes)
 
 
 def run_suite(
@@ -38,28 +92,10 @@ def run_suite(
     device: str = "cpu",
     progress: Callable[[str], None] | None = None,
 ) -> list[CheckResult]:
-    family = device_family(device)
+    """Every item's rows, in order (what ``doracheck verify`` prints)."""
     results: list[CheckResult] = []
-    say = progress or (lambda _msg: None)
-    say("gradcheck (fp64)")
-    results += _guard("grad.gradcheck", "fp64", props.gradcheck_fp64, impl, family)
-    for dt in dtypes:
-        dtype = DTYPES[dt]
-        problems = cases_for(dtype, device, profile)
-        small = [make_problem(7, 13, 3, 4, dtype, seed=1, device=device),
-                 make_problem(9, 11, 3, 4, dtype, seed=2, kind="cancel", device=device)]
-        say(f"{dt}: norm")
-        results += _guard("norm.three_term", dt, props.three_term_identity, impl, small, family)
-        results += _guard("norm.memory", dt, props.norm_memory, impl, dtype, family, device, impl.norm_memory_bound)
-        say(f"{dt}: compose near g = 1")
-        results += _guard("compose.near_one", dt, props.compose_near_one, impl, dtype, family, device=device)
-        say(f"{dt}: forward and backward against the fp64 oracle")
-        results += _guard("forward", dt, props.backward_vs_oracle, impl, problems, family)
-        say(f"{dt}: metamorphic relations and baseline ratio")
-        results += _guard("meta", dt, props.metamorphic, impl, problems[1], family)
-        results += _guard("ratio", dt, props.baseline_ratio_checks, impl, problems, family)
-        say(f"{dt}: merge, edges, cache")
-        results += _guard("merge", dt, props.merge_unmerge, impl, dtype, family, device)
-        results += _guard("edge", dt, props.determinism_edges, impl, dtype, family, device)
-        results += _guard("cache.no_stale", dt, props.no_stale_cache, impl, dtype, family, device)
+    for item in suite_items(impl, dtypes, profile, device):
+        if progress is not None:
+            progress(item.message)
+        results += run_item(item)
     return results
