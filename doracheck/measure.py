@@ -4,7 +4,8 @@
 The planner predicts from a cost model and never imports the layer; timed planning reaches it
 through ``planner.plan(measure=...)`` with ``measure_variants`` from here (``doracheck``
 registers it with ``planner.set_measure`` at import). Times follow ``doracheck.timing``: warm-up,
-then CUDA events (the host clock on a CPU), medians over samples of back-to-back calls.
+then CUDA events (the host clock on a CPU), medians over samples of back-to-back calls;
+``measure_variant_spread`` gives the 10th and 90th percentiles of the samples beside them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import csv
 import functools
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -25,6 +26,14 @@ from .timing import quantile, time_interleaved
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
+class Spread(NamedTuple):
+    """ms per call over the samples: 10th percentile, median, 90th percentile."""
+
+    p10: float
+    median: float
+    p90: float
+
+
 def measure_variants(variants: list[Variant], d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype,
                      training: bool, device: torch.device | str = "cuda", rounds: int = 15, *, dropout: bool = False,
                      detach_norm: bool = True, with_linear: bool = False) -> dict[str, float]:
@@ -32,7 +41,19 @@ def measure_variants(variants: list[Variant], d_in: int, d_out: int, r: int, tok
     (``timing.time_interleaved``: round-robin, back-to-back calls per sample) on one set of
     random, non-zero inputs; the norm cache is warm, as in a step. ``training``: forward and
     backward with every input but W requiring grad; ``dropout``: p = 0.1 in training mode.
-    ``with_linear`` adds "nn.Linear", the plain layer on the same x and W, to the same rounds."""
+    ``with_linear`` adds "nn.Linear", the plain layer on the same x and W, to the same rounds.
+    ``measure_variant_spread`` measures the same way and keeps the quantiles too."""
+    spread = measure_variant_spread(variants, d_in, d_out, r, tokens, dtype, training, device, rounds, dropout=dropout,
+                                    detach_norm=detach_norm, with_linear=with_linear)
+    return {name: s.median for name, s in spread.items()}
+
+
+def measure_variant_spread(variants: list[Variant], d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype,
+                           training: bool, device: torch.device | str = "cuda", rounds: int = 15, *,
+                           dropout: bool = False, detach_norm: bool = True,
+                           with_linear: bool = False) -> dict[str, Spread]:
+    """``measure_variants``' measurement with the spread of its ``rounds`` samples: {name:
+    Spread(p10, median, p90)} in ms per call (quantiles interpolated between sorted samples)."""
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(0)
     W = (torch.randn(d_out, d_in, generator=gen) / d_in**0.5).to(dev, dtype)
@@ -69,7 +90,23 @@ def measure_variants(variants: list[Variant], d_in: int, d_out: int, r: int, tok
         fns["nn.Linear"] = linear
     with torch.enable_grad():  # also when planning from inside a forward (autograd Functions run without grad)
         times = time_interleaved(fns, dev, rounds)
-    return {name: quantile(t, 0.5) for name, t in times.items()}
+    return {name: Spread(quantile(t, 0.1), quantile(t, 0.5), quantile(t, 0.9)) for name, t in times.items()}
+
+
+@functools.lru_cache(maxsize=1)
+def versions() -> dict[str, str | None]:
+    """doracheck's, torch's and triton's versions (None: not installed), for the rows of a bench."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    from doracheck import __version__
+
+    return {"doracheck": __version__, "torch": torch.__version__, "triton": of("triton")}
 
 
 def bench_row(device: torch.device, device_name: str, d_in: int, d_out: int, r: int, T: int, dt: torch.dtype, mode: str,
@@ -77,21 +114,27 @@ def bench_row(device: torch.device, device_name: str, d_in: int, d_out: int, r: 
     """One row of ``doracheck bench``: nn.Linear and doracheck (the planner's variant on a GPU,
     the default elsewhere), or with ``with_plan`` every candidate predicted against measured,
     the cost model's pick and the fastest; ``timed`` adds the timing mode's own pick, made from
-    a fresh measurement and judged on this row's."""
+    a fresh measurement and judged on this row's. Times are medians (``*_ms``) with the 10th
+    and 90th percentiles of the ``reps`` samples (``*_p10_ms``, ``*_p90_ms``)."""
     training = mode == "train"
-    row: dict[str, Any] = {"device": device_name, "torch": torch.__version__, "d_in": d_in, "d_out": d_out, "r": r, "tokens": T,
-           "dtype": DTYPE_NAMES[dt], "mode": mode}
+    row: dict[str, Any] = {"device": device_name, **versions(), "d_in": d_in, "d_out": d_out, "r": r, "tokens": T,
+                           "dtype": DTYPE_NAMES[dt], "mode": mode, "reps": reps}
     if not with_plan:
         v = planner.plan(d_in, d_out, r, T, dt, training).variant if device.type == "cuda" else planner.DEFAULT
-        measured = measure_variants([v], d_in, d_out, r, T, dt, training, device, reps, with_linear=True)
-        row.update(linear_ms=measured["nn.Linear"], variant=v.name, doracheck_ms=measured[v.name])
-        row["ratio_to_linear"] = row["doracheck_ms"] / row["linear_ms"]
+        spread = measure_variant_spread([v], d_in, d_out, r, T, dt, training, device, reps, with_linear=True)
+        lin, dora = spread["nn.Linear"], spread[v.name]
+        row.update(variant=v.name, linear_ms=lin.median, linear_p10_ms=lin.p10, linear_p90_ms=lin.p90,
+                   doracheck_ms=dora.median, doracheck_p10_ms=dora.p10, doracheck_p90_ms=dora.p90,
+                   ratio_to_linear=dora.median / lin.median)
         return row
     p = planner.plan(d_in, d_out, r, T, dt, training)
-    measured = measure_variants(p.candidates, d_in, d_out, r, T, dt, training, device, reps, with_linear=True)
-    row["linear_ms"] = measured.pop("nn.Linear")
+    spread = measure_variant_spread(p.candidates, d_in, d_out, r, T, dt, training, device, reps, with_linear=True)
+    lin = spread.pop("nn.Linear")
+    measured = {k: s.median for k, s in spread.items()}
     fastest = min(measured, key=lambda k: measured[k])
-    row.update(chosen=p.variant.name, fastest=fastest, predicted_ms=p.predicted_ms, measured_ms=measured,
+    row.update(linear_ms=lin.median, linear_p10_ms=lin.p10, linear_p90_ms=lin.p90, chosen=p.variant.name,
+               fastest=fastest, predicted_ms=p.predicted_ms, measured_ms=measured,
+               measured_p10_ms={k: s.p10 for k, s in spread.items()}, measured_p90_ms={k: s.p90 for k, s in spread.items()},
                chosen_over_fastest=measured[p.variant.name] / measured[fastest])
     if timed:
         t = planner.plan(d_in, d_out, r, T, dt, training, timed=True, device=device, refresh=True,
@@ -114,7 +157,9 @@ def plan_summary(rows: list[dict], timed: bool) -> dict:
 
 class CsvRows:
     """Rows written to a CSV file as they come (a run cut short keeps what it measured); dict
-    cells as JSON. The header is the first row's keys."""
+    cells as JSON, a missing value (triton not installed) empty. The header is the first row's
+    keys: the device's name, the versions, the shape, dtype and mode, then the times in ms
+    (median, p10 and p90 of the samples). Opening raises OSError (the caller reports it)."""
 
     def __init__(self, path: str) -> None:
         self._file = open(path, "w", newline="")  # noqa: SIM115 (closed by close())
@@ -132,4 +177,4 @@ class CsvRows:
         self._file.close()
 
 
-__all__ = ["CsvRows", "bench_row", "measure_variants", "plan_summary"]
+__all__ = ["CsvRows", "Spread", "bench_row", "measure_variant_spread", "measure_variants", "plan_summary", "versions"]

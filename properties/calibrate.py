@@ -75,7 +75,7 @@ def calibrate(impl: props.Implementation, dtypes: list[str], cases: int = 16, de
             for res in props.backward_vs_oracle(impl, [p], family) + props.baseline_ratio_checks(impl, [p], family):
                 note(dt, res)
             if progress is not None:
-                progress()
+                progress(f"{dt} case {i + 1}/{cases}")
         for seed in range(max(2, cases // 4)):
             for res in props.compose_near_one(impl, dtype, family, seeds=(seed,), device=device):
                 note(dt, res)

@@ -186,7 +186,10 @@ def test_bench_cli_judges_the_timing_mode_on_the_rows_own_measurement(monkeypatc
         ms = {v.name: (1.0 + 0.5 * i if row_measurement else 2.0 - 0.5 * i) for i, v in enumerate(variants)}
         return {**ms, "nn.Linear": 0.5} if with_linear else ms
 
-    monkeypatch.setattr(measure, "measure_variants", fake)
+    monkeypatch.setattr(measure, "measure_variants", fake)  # the timing mode's measurement
+    # the row's own measurement keeps the spread of its samples (here all three quantiles alike)
+    monkeypatch.setattr(measure, "measure_variant_spread",
+                        lambda *a, **k: {n: measure.Spread(t, t, t) for n, t in fake(*a, **k).items()})
     args = ["bench", "--shapes", "48x40r4", "--tokens", "3", "--dtype", "fp32", "--mode", "train", "--plan", "--timed", "--json"]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)

@@ -1,12 +1,17 @@
 """``doracheck audit``: health and numerical audit of DoRA checkpoints (safetensors only).
 
 ``audit_path(path, base=None, config=None, device="auto")`` returns an ``AuditReport``;
-one module's tensors are in memory at a time. ``AuditInputError`` means unusable input.
+one module's tensors are in memory at a time. ``AuditInputError`` means unusable input: a
+pickle checkpoint, a hostile or corrupt file, a config value of the wrong type, or a ``base``
+that matches none of the adapter's DoRA modules.
+
+A plain LoRA adapter (no module has a magnitude vector and the config does not say
+``use_dora: true``) is not an input error: its structure and values are still checked, and
+``AuditReport.plain_lora`` plus a note say that nothing DoRA-specific was audited.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,12 +28,13 @@ from .checks import (
     check_structure,
     note_kohya,
 )
-from .discovery import AdapterConfig, find_modules, rank_and_scaling
+from .discovery import AdapterConfig, ModuleKeys, find_modules, natural_key, rank_and_scaling
 from .reader import AuditInputError, BaseWeights, SafetensorsFile, iter_adapter_files
 
 __all__ = ["AuditInputError", "AuditReport", "ModuleReport", "audit_path"]
 
 AUDITABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+PLAIN_LORA_NOTICE = "this is a LoRA adapter without DoRA magnitudes: nothing DoRA-specific to audit"
 
 
 @dataclass
@@ -37,15 +43,20 @@ class AuditReport:
     fmt: str
     modules: list[ModuleReport] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    plain_lora: bool = False
 
     def summary(self) -> dict:
-        dense = sum(m.stats.get("memory_bytes", {}).get("dense_norm", 0) for m in self.modules)
-        ours = sum(m.stats.get("memory_bytes", {}).get("factored_norm", 0) for m in self.modules)
+        sized = [m for m in self.modules if "memory_bytes" in m.stats]
+        largest = max(sized, key=lambda m: m.stats["memory_bytes"]["dense_norm"], default=None)
+        memory = {"module": largest.name, **largest.stats["memory_bytes"]} if largest else {}
         return {
             "modules": len(self.modules),
+            "dora_modules": sum(m.fmt == "peft" and "structure.not_dora" not in {c.id for c in m.checks} for m in self.modules),
             "errors": sum(m.count("error") for m in self.modules),
             "warnings": sum(m.count("warning") for m in self.modules),
-            "memory_bytes": {"dense_norm": dense, "factored_norm": ours},
+            "infos": sum(m.count("info") for m in self.modules),
+            "plain_lora": self.plain_lora,
+            "memory_bytes": memory,
         }
 
     def as_dict(self) -> dict:
@@ -53,6 +64,7 @@ class AuditReport:
             "path": self.path,
             "format": self.fmt,
             "notes": self.notes,
+            "plain_lora": self.plain_lora,
             "modules": [m.as_dict() for m in self.modules],
             "summary": self.summary(),
         }
@@ -72,9 +84,11 @@ def audit_path(
     config: str | Path | None = None,
     device: str = "auto",
     progress: Callable[[int, int, str], None] | None = None,
+    keep_arrays: bool = False,
 ) -> AuditReport:
     """Audit every DoRA module of the adapter at ``path`` (a file, or a folder holding
-    adapter_model.safetensors and usually adapter_config.json)."""
+    adapter_model.safetensors and usually adapter_config.json). ``progress(i, total, name)``
+    is called before each module; ``keep_arrays`` keeps per-feature vectors for plots."""
     dev = _device(device)
     path = Path(path)
     adapter_file = next(iter_adapter_files(path))
@@ -86,24 +100,42 @@ def audit_path(
             modules = find_modules(list(adapter.tensors))
             if not modules:
                 raise AuditInputError(f"{adapter_file}: no LoRA/DoRA tensors (lora_A/lora_B/lora_magnitude_vector or lora_down/lora_up/dora_scale)")
-            fmts = sorted({m.fmt for m in modules})
-            report = AuditReport(str(adapter_file), "+".join(fmts))
-            if cfg is None:
+            report = AuditReport(str(adapter_file), "+".join(sorted({m.fmt for m in modules})))
+            peft_modules = [m for m in modules if m.fmt == "peft"]
+            report.plain_lora = bool(peft_modules) and not any("magnitude" in m.keys for m in peft_modules) and not (cfg and cfg.use_dora)
+            if report.plain_lora:
+                report.notes.append(PLAIN_LORA_NOTICE)
+            elif cfg is None:
                 report.notes.append("no adapter_config.json: scaling unknown, norm and merge checks skipped")
-            if base_weights is None:
+            if base_weights is None and not report.plain_lora and peft_modules:
                 report.notes.append("no --base: norm, scale, overflow and merge checks need the base weights")
+            if base_weights is not None and not report.plain_lora:
+                _require_base_match(base_weights, [m for m in peft_modules if "magnitude" in m.keys])
             for i, keys in enumerate(modules):
                 if progress:
                     progress(i + 1, len(modules), keys.name)
-                report.modules.append(_audit_module(adapter, keys, cfg, base_weights, dev))
+                report.modules.append(_audit_module(adapter, keys, cfg, base_weights, dev, report.plain_lora, keep_arrays))
             return report
     finally:
         if base_weights is not None:
             base_weights.close()
 
 
-def _audit_module(adapter: SafetensorsFile, keys, cfg: AdapterConfig | None, base: BaseWeights | None, dev) -> ModuleReport:
-    report = ModuleReport(name=keys.name, fmt=keys.fmt)
+def _require_base_match(base: BaseWeights, modules: list[ModuleKeys]) -> None:
+    """A base that holds none of the adapter's DoRA weights is the wrong model: one line, exit 2."""
+    if not modules or any(base.find(m.name) is not None for m in modules):
+        return
+    weights = sorted((k for k in base.keys() if k.endswith(".weight")), key=natural_key) or sorted(base.keys(), key=natural_key)
+    theirs = f"the base has e.g. {weights[0]!r} ({len(base.keys())} tensors)" if weights else "the base holds no tensors"
+    raise AuditInputError(
+        f"--base {base.path}: matches none of the adapter's {len(modules)} DoRA modules: looked for e.g. "
+        f"{modules[0].name + '.weight'!r}, {theirs}; is it the model this adapter was trained on?"
+    )
+
+
+def _audit_module(adapter: SafetensorsFile, keys, cfg: AdapterConfig | None, base: BaseWeights | None, dev, plain_lora: bool,
+                  keep_arrays: bool) -> ModuleReport:
+    report = ModuleReport(name=keys.name, fmt=keys.fmt, keep_arrays=keep_arrays)
     tensors = {role: adapter.get(key) for role, key in keys.keys.items()}
     for role, t in tensors.items():
         name = {"A": "lora_A", "B": "lora_B"}.get(role, role)
@@ -115,13 +147,14 @@ def _audit_module(adapter: SafetensorsFile, keys, cfg: AdapterConfig | None, bas
     if keys.fmt == "kohya":
         note_kohya(report, keys, tensors)
         return report
-    if "magnitude" not in tensors and cfg is not None and cfg.use_dora is False:
-        report.add("structure.not_dora", "info", "plain LoRA module (use_dora is false): not audited")
-        return report
     A = tensors.get("A")
     r_found = int(A.shape[0]) if A is not None and A.dim() == 2 else 0
     configured_r, scaling, how = rank_and_scaling(cfg, keys.name, r_found)
     report.scaling = scaling
+    if "magnitude" not in tensors and (plain_lora or (cfg is not None and cfg.use_dora is False)):
+        check_structure(report, tensors, configured_r, dora=False)
+        report.add("structure.not_dora", "info", "plain LoRA module (no magnitude vector): nothing DoRA-specific to audit")
+        return report
     if not check_structure(report, tensors, configured_r):
         return report
     A, B, m = tensors["A"], tensors["B"], tensors["magnitude"]
@@ -133,41 +166,34 @@ def _audit_module(adapter: SafetensorsFile, keys, cfg: AdapterConfig | None, bas
         return report
     if any(c.id.startswith("finite.") for c in report.checks):
         return report
-    if base is None:
-        report.add("base.missing", "info", "no base weights: norm checks skipped")
+    W = _base_weight(report, keys.name, base, cfg)
+    if W is None:
         return report
-    key = base.find(keys.name)
-    if key is None:
-        report.add("base.missing", "warning", f"no weight for {keys.name} in the base model")
-        return report
-    info = base.info(key)
     fan = bool(cfg.fan_in_fan_out) if cfg else False
-    expected = (report.d_in, report.d_out) if fan else (report.d_out, report.d_in)
-    if tuple(info.shape) != expected:
-        report.add("structure.shape", "error", f"base weight {key}: expected shape {expected}, got {tuple(info.shape)}")
-        return report
-    W = base.get(key)
-    if W.dtype not in AUDITABLE_DTYPES:
-        report.add("structure.dtype", "error", f"base weight {key}: expected fp16, bf16, fp32 or fp64, got {W.dtype}")
-        return report
-    if not _finite(report, "weight", W):
-        return report
     g = check_norm_and_scale(report, W, A, B, m, scaling, fan, dev)
     check_merge(report, W, A, B, g, scaling, fan, dev)
     return report
 
 
-def default_progress(stream=sys.stderr) -> Callable[[int, int, str], None]:
-    """A one-line progress indicator on a terminal (nothing when stderr is not a TTY)."""
-
-    def show(i: int, total: int, name: str) -> None:
-        if not stream.isatty():
-            return
-        width = 30
-        filled = int(width * i / max(total, 1))
-        stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {i}/{total} {name[:60]:<60}")
-        if i == total:
-            stream.write("\n")
-        stream.flush()
-
-    return show
+def _base_weight(report: ModuleReport, name: str, base: BaseWeights | None, cfg: AdapterConfig | None) -> torch.Tensor | None:
+    """The module's base weight, checked for shape, dtype and finiteness, or None (with a finding)."""
+    if base is None:
+        report.add("base.missing", "info", "no --base given: norm, scale and merge checks skipped")
+        return None
+    key = base.find(name)
+    if key is None:
+        report.add("base.missing", "warning", f"no weight for {name} in the base model")
+        return None
+    info = base.info(key)
+    fan = bool(cfg.fan_in_fan_out) if cfg else False
+    expected = (report.d_in, report.d_out) if fan else (report.d_out, report.d_in)
+    if tuple(info.shape) != expected:
+        report.add("structure.shape", "error", f"base weight {key}: expected shape {expected}, got {tuple(info.shape)}")
+        return None
+    W = base.get(key)
+    if W.dtype not in AUDITABLE_DTYPES:
+        report.add("structure.dtype", "error", f"base weight {key}: expected fp16, bf16, fp32 or fp64, got {W.dtype}")
+        return None
+    if not _finite(report, "weight", W):
+        return None
+    return W

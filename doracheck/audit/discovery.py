@@ -9,18 +9,21 @@ Naming schemes recognised:
 
 Scaling follows PEFT: r and lora_alpha from adapter_config.json, overridden per module by
 ``rank_pattern`` / ``alpha_pattern`` (matched like ``peft.utils.other.get_pattern_key``),
-s = alpha / r, or alpha / sqrt(r) with ``use_rslora``.
+s = alpha / r, or alpha / sqrt(r) with ``use_rslora``. The config's values are type-checked in
+``config.py``.
+
+Modules are listed in natural order of their names (layers.2 before layers.10).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from .reader import AuditInputError
+from .config import AdapterConfig
+
+__all__ = ["AdapterConfig", "ModuleKeys", "find_modules", "natural_key", "pattern_key", "rank_and_scaling"]
 
 PEFT_PREFIX = "base_model.model."
 _PEFT = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B)(?:\.(?P<adapter>[^.]+))?\.weight$")
@@ -33,54 +36,6 @@ class ModuleKeys:
     name: str  # module name as in the base model (PEFT prefix removed)
     fmt: str  # "peft" or "kohya"
     keys: dict[str, str] = field(default_factory=dict)  # role -> key: A, B, magnitude, alpha
-
-
-@dataclass
-class AdapterConfig:
-    r: int | None = None
-    lora_alpha: float | None = None
-    use_rslora: bool = False
-    rank_pattern: dict = field(default_factory=dict)
-    alpha_pattern: dict = field(default_factory=dict)
-    use_dora: bool | None = None
-    fan_in_fan_out: bool = False
-    source: str | None = None
-
-    @classmethod
-    def load(cls, path: Path) -> AdapterConfig:
-        try:
-            raw = json.loads(Path(path).read_text())
-        except OSError as exc:
-            raise AuditInputError(f"{path}: cannot read: {exc.strerror or exc}") from None
-        except json.JSONDecodeError as exc:
-            raise AuditInputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-        if not isinstance(raw, dict):
-            raise AuditInputError(f"{path}: not a JSON object")
-
-        def number(key, kind):
-            value = raw.get(key)
-            if value is None:
-                return None
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise AuditInputError(f"{path}: {key} must be a positive number, got {value!r}")
-            return kind(value)
-
-        patterns = {}
-        for key in ("rank_pattern", "alpha_pattern"):
-            value = raw.get(key) or {}
-            if not isinstance(value, dict):
-                raise AuditInputError(f"{path}: {key} must be an object, got {type(value).__name__}")
-            patterns[key] = value
-        return cls(
-            r=number("r", int),
-            lora_alpha=number("lora_alpha", float),
-            use_rslora=bool(raw.get("use_rslora", False)),
-            rank_pattern=patterns["rank_pattern"],
-            alpha_pattern=patterns["alpha_pattern"],
-            use_dora=raw.get("use_dora"),
-            fan_in_fan_out=bool(raw.get("fan_in_fan_out", False)),
-            source=str(path),
-        )
 
 
 def pattern_key(patterns: dict, module: str) -> str | None:
@@ -96,8 +51,11 @@ def pattern_key(patterns: dict, module: str) -> str | None:
 
 def rank_and_scaling(config: AdapterConfig | None, module: str, r_found: int) -> tuple[int | None, float | None, str]:
     """(configured r, scaling, how it was determined) for ``module`` as PEFT would set it."""
-    if config is None or config.r is None or config.lora_alpha is None:
+    if config is None:
         return None, None, "no adapter_config.json: scaling unknown"
+    if config.r is None or config.lora_alpha is None:
+        missing = " and ".join(k for k, v in (("r", config.r), ("lora_alpha", config.lora_alpha)) if v is None)
+        return None, None, f"{config.source} has no {missing}: scaling unknown"
     key = pattern_key(config.rank_pattern, module)
     r = int(config.rank_pattern[key]) if key is not None else config.r
     akey = pattern_key(config.alpha_pattern, module)
@@ -107,8 +65,13 @@ def rank_and_scaling(config: AdapterConfig | None, module: str, r_found: int) ->
     return r, scaling, how
 
 
+def natural_key(name: str) -> list:
+    """Sort key that orders digit runs by value: layers.2 < layers.10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
 def find_modules(keys: list[str]) -> list[ModuleKeys]:
-    """Group tensor keys into DoRA (and plain LoRA) modules, in file order."""
+    """Group tensor keys into DoRA (and plain LoRA) modules, in natural order of their names."""
     modules: dict[str, ModuleKeys] = {}
     for key in keys:
         m = _PEFT.match(key)
@@ -127,4 +90,4 @@ def find_modules(keys: list[str]) -> list[ModuleKeys]:
             name = name[len(PEFT_PREFIX):]
         entry = modules.setdefault(f"{fmt}:{name}", ModuleKeys(name=name, fmt=fmt))
         entry.keys[role] = key
-    return list(modules.values())
+    return sorted(modules.values(), key=lambda m: (natural_key(m.name), m.fmt))

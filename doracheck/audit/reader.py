@@ -28,7 +28,50 @@ FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 
 class AuditInputError(Exception):
-    """Unusable input: the message is one line that names the file and the problem."""
+    """Unusable input. Each problem is one line naming the file and the problem (``lines``);
+    most errors carry one, a config with several bad values carries one per value."""
+
+    def __init__(self, *lines: str):
+        self.lines = list(lines) or ["unusable input"]
+        super().__init__("; ".join(self.lines))
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+_RESAVE = {
+    "adapter": "re-save it with PEFT: PeftModel.from_pretrained(base_model, {src!r}).save_pretrained({out!r}, safe_serialization=True)",
+    "base": "re-save it with transformers: AutoModelForCausalLM.from_pretrained({src!r}).save_pretrained({out!r}, "
+    "safe_serialization=True)",
+}
+
+
+def pickle_error(path: Path, what: str, role: str) -> AuditInputError:
+    """The one-line refusal for a PyTorch pickle checkpoint (``what`` says what was found), with
+    the re-save recipe for the folder it sits in."""
+    folder = path if path.is_dir() else path.parent
+    if folder.name in ("", ".", ".."):
+        folder = folder.resolve()
+    out = folder.parent / f"{folder.name or 'model'}-safetensors"
+    how = _RESAVE.get(role, _RESAVE["adapter"]).format(src=str(folder), out=str(out))
+    return AuditInputError(
+        f"{path}: {what}; doracheck reads only safetensors and never unpickles user files (unpickling runs code from the file): {how}"
+    )
+
+
+def pickle_kind(path: Path, prefix: bytes) -> str | None:
+    """How ``path`` looks like a PyTorch pickle checkpoint, from its first bytes and its name, or None.
+
+    A safetensors file has its JSON header at byte 8, which starts with '{'; only files without it
+    are judged: zip magic PK\\x03\\x04 (torch.save), pickle protocol 2-5 magic \\x80 0x02..0x05
+    (legacy torch.save, pickle.dump), or a .bin/.pt/.pth/.ckpt/.pkl name."""
+    if prefix[8:9] == b"{":
+        return None
+    if prefix.startswith(b"PK\x03\x04"):
+        return "a zip archive (PyTorch's torch.save format), not safetensors"
+    if len(prefix) >= 2 and prefix[0] == 0x80 and 2 <= prefix[1] <= 5:
+        return "a Python pickle (legacy torch.save format), not safetensors"
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        return f"a {path.suffix} file that is not safetensors (PyTorch pickle checkpoints use this name)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -43,13 +86,19 @@ def _fail(path: Path, problem: str) -> AuditInputError:
     return AuditInputError(f"{path}: {problem}")
 
 
-def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+def read_header(path: Path, role: str = "adapter") -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Validate a safetensors header: sizes, JSON, dtypes, shapes, offsets (in bounds, sized
-    to their shape, not overlapping, covering the data). Returns (tensors, metadata)."""
+    to their shape, not overlapping, covering the data). Returns (tensors, metadata).
+    A PyTorch pickle is refused with how to re-save it (``role``: "adapter" or "base")."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
-            prefix = f.read(8)
+            prefix = f.read(9)
+            what = pickle_kind(path, prefix)
+            if what is not None:
+                raise pickle_error(path, what, role)
+            prefix = prefix[:8]
+            f.seek(8)
             if len(prefix) < 8:
                 raise _fail(path, f"truncated: {size} bytes is shorter than the 8-byte safetensors header length")
             (n,) = struct.unpack("<Q", prefix)
@@ -106,11 +155,11 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
 class SafetensorsFile:
     """One validated file; ``get(name)`` reads a single tensor (CPU)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, role: str = "adapter"):
         from safetensors import SafetensorError, safe_open
 
         self.path = Path(path)
-        self.tensors, self.metadata = read_header(self.path)
+        self.tensors, self.metadata = read_header(self.path, role)
         self._stack = ExitStack()
         self._error = SafetensorError
         try:
@@ -158,6 +207,10 @@ class BaseWeights:
                     self._where[key] = shard_path
             else:
                 files = sorted(self.path.glob("*.safetensors"))
+                if not files:
+                    pickles = _pickles_in(self.path)
+                    if pickles:
+                        raise pickle_error(self.path, f"has {pickles[0]} (a PyTorch pickle checkpoint) but no *.safetensors", "base")
                 if len(files) != 1:
                     raise _fail(self.path, f"expected one *.safetensors file or model.safetensors.index.json, found {len(files)}")
                 self._index_file(files[0])
@@ -175,7 +228,7 @@ class BaseWeights:
         if path not in self._files:
             if not path.is_file():
                 raise _fail(path, "shard named in the index is missing")
-            self._files[path] = SafetensorsFile(path)
+            self._files[path] = SafetensorsFile(path, "base")
         return self._files[path]
 
     def find(self, module: str) -> str | None:
@@ -192,6 +245,9 @@ class BaseWeights:
                 return key
         return None
 
+    def keys(self) -> list[str]:
+        return list(self._where)
+
     def info(self, key: str) -> TensorInfo:
         return self._open(self._where[key]).tensors[key]
 
@@ -203,13 +259,26 @@ class BaseWeights:
             f.close()
 
 
+def _pickles_in(folder: Path) -> list[str]:
+    """Names of PyTorch pickle checkpoints in ``folder`` (by name), PEFT's and transformers' first."""
+    found = sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix.lower() in PICKLE_SUFFIXES)
+    known = [n for n in ("adapter_model.bin", "pytorch_model.bin") if n in found]
+    return known + [n for n in found if n not in known]
+
+
 def iter_adapter_files(path: Path) -> Iterator[Path]:
     """The adapter file for PATH: the file itself, or adapter_model.safetensors in a folder."""
     path = Path(path)
     if path.is_dir():
         candidate = path / "adapter_model.safetensors"
         if not candidate.is_file():
-            raise _fail(path, "folder has no adapter_model.safetensors")
+            pickles = _pickles_in(path)
+            if pickles:
+                raise pickle_error(path, f"has {pickles[0]} (a PyTorch pickle, as save_pretrained(..., safe_serialization=False) "
+                                   "writes) but no adapter_model.safetensors", "adapter")
+            others = sorted(p.name for p in path.glob("*.safetensors"))
+            hint = f" (it has {', '.join(others[:3])}: pass the adapter file itself)" if others else ""
+            raise _fail(path, f"folder has no adapter_model.safetensors{hint}")
         yield candidate
     elif path.is_file():
         yield path

@@ -1,28 +1,34 @@
 """A small sample DoRA adapter in PEFT's on-disk format, with its base model, for demos and tests.
 
 ``write_sample(folder)`` writes adapter_model.safetensors, adapter_config.json and
-base_model.safetensors (a 2-layer toy with q/v projections, r = 8, alpha = 16); the
-``defects`` argument plants problems the audit must find.
+base_model.safetensors (a 2-layer toy with q/v projections, r = 8, alpha = 16) into ``folder``,
+creating it if needed. It never overwrites: if any of the three files exists, nothing is
+written and ``AuditInputError`` names the file. ``fresh=True`` writes an untrained adapter as
+PEFT initialises one (lora_B = 0, magnitude = fp32 row norms of W); otherwise lora_B is small
+and random and the magnitude is moved 0.1% off the norm, like a trained adapter. ``defects``
+plants problems the audit must find.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from doracheck.reference import norm_terms_ref
 
+from .reader import AuditInputError
+
 LAYERS = {"model.layers.0.self_attn.q_proj": (64, 96), "model.layers.0.self_attn.v_proj": (32, 96),
           "model.layers.1.self_attn.q_proj": (64, 96), "model.layers.1.self_attn.v_proj": (32, 96)}
+FILES = ("adapter_model.safetensors", "adapter_config.json", "base_model.safetensors")
 
 
-def write_sample(folder: str | Path, *, r: int = 8, alpha: float = 16.0, seed: int = 0, defects: tuple[str, ...] = ()) -> Path:
-    """Write the sample; defects: "nan" (NaN in one lora_B), "zero_magnitude", "bad_shape"."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+def sample_tensors(r: int, alpha: float, seed: int, fresh: bool, defects: tuple[str, ...]) -> tuple[dict, dict]:
+    """(adapter tensors with PEFT's keys, base tensors)."""
     gen = torch.Generator().manual_seed(seed)
     adapter: dict[str, torch.Tensor] = {}
     base: dict[str, torch.Tensor] = {}
@@ -31,8 +37,12 @@ def write_sample(folder: str | Path, *, r: int = 8, alpha: float = 16.0, seed: i
         W = (torch.randn(d_out, d_in, generator=gen) / d_in**0.5).to(torch.bfloat16)
         A = torch.randn(r, d_in, generator=gen) / d_in**0.5
         B = torch.randn(d_out, r, generator=gen) * 0.02
-        n = norm_terms_ref(W, A, B, s).norm
-        m = (n * (1 + 1e-3 * torch.randn(d_out, generator=gen, dtype=torch.float64))).float()
+        noise = 1e-3 * torch.randn(d_out, generator=gen, dtype=torch.float64)
+        if fresh:  # PEFT's init: B = 0 and m = ||W + s·B·A|| = ||W|| per row, in fp32
+            B = torch.zeros_like(B)
+            m = torch.linalg.norm(W.float(), dim=1)
+        else:
+            m = (norm_terms_ref(W, A, B, s).norm * (1 + noise)).float()
         base[f"{name}.weight"] = W
         prefix = f"base_model.model.{name}"
         adapter[f"{prefix}.lora_A.weight"] = A
@@ -44,9 +54,47 @@ def write_sample(folder: str | Path, *, r: int = 8, alpha: float = 16.0, seed: i
             adapter[f"{prefix}.lora_magnitude_vector"][5] = 0.0
         if i == 2 and "bad_shape" in defects:
             adapter[f"{prefix}.lora_magnitude_vector"] = m[:-1].clone()
-    save_file({k: v.contiguous() for k, v in adapter.items()}, str(folder / "adapter_model.safetensors"))
-    save_file({k: v.contiguous() for k, v in base.items()}, str(folder / "base_model.safetensors"))
+    return adapter, base
+
+
+def write_sample(
+    folder: str | Path, *, r: int = 8, alpha: float = 16.0, seed: int = 0, fresh: bool = False, defects: tuple[str, ...] = ()
+) -> Path:
+    """Write the sample into ``folder`` (created if missing) without overwriting anything.
+    defects: "nan" (NaN in one lora_B), "zero_magnitude", "bad_shape"."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise AuditInputError(f"{folder}: is a file; the sample is three files written into a folder (a new one, or one without them)")
+    for name in FILES:
+        if (folder / name).exists():
+            raise AuditInputError(f"{folder / name}: already exists; the sample never overwrites files (choose a new or empty folder)")
+    adapter, base = sample_tensors(r, alpha, seed, fresh, defects)
     config = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "use_dora": True, "use_rslora": False,
               "target_modules": ["q_proj", "v_proj"], "rank_pattern": {}, "alpha_pattern": {}, "fan_in_fan_out": False}
-    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    contents = {
+        "adapter_model.safetensors": save({k: v.contiguous() for k, v in adapter.items()}),
+        "adapter_config.json": (json.dumps(config, indent=2) + "\n").encode(),
+        "base_model.safetensors": save({k: v.contiguous() for k, v in base.items()}),
+    }
+    written: list[Path] = []
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, data in contents.items():
+            with open(folder / name, "xb") as f:  # "x": fail rather than replace a file that appeared meanwhile
+                written.append(folder / name)
+                f.write(data)
+    except FileExistsError as exc:
+        _remove(written)
+        raise AuditInputError(f"{exc.filename}: already exists; the sample never overwrites files (choose a new or empty folder)") from None
+    except OSError as exc:
+        _remove(written)
+        raise AuditInputError(f"{exc.filename or folder}: cannot write the sample: {exc.strerror or exc}") from None
     return folder
+
+
+def _remove(paths: list[Path]) -> None:
+    for path in paths:
+        try:
+            os.remove(path)
+        except OSError:
+            pass

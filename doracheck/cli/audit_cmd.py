@@ -1,40 +1,50 @@
-"""``doracheck audit PATH [--base PATH] [--config FILE] [--json] [--device auto|cpu|cuda]``.
+"""``doracheck audit PATH [--base PATH] [--config FILE] [--json] [--verbose] [--report FILE.html]
+[--device auto|cpu|cuda] [--strict]``.
 
-Exit codes: 0 no error-severity findings, 1 errors found (or warnings with --strict),
-2 unusable input (a one-line message naming the file and the problem; never a traceback).
+Text output: the summary table (modules in numeric order), a legend of its columns, the
+findings (errors and warnings; ``--verbose`` adds the info ones), a summary line and the norm
+scratch memory. ``--json`` prints one JSON object instead. ``--report FILE`` also writes one
+self-contained HTML file with the table, the legend, the findings and per-module plots
+(needs matplotlib, checked before any work). A progress bar over modules appears on stderr
+when it is a terminal (not under ``--json`` or CI).
+
+Exit codes:
+  0  no error-severity findings (warnings allowed), including a plain LoRA adapter: its
+     values and shapes were checked and a notice says nothing DoRA-specific was audited;
+  1  error findings; with ``--strict`` also any warning, and a plain LoRA adapter (so a
+     pipeline that expects DoRA fails when ``use_dora=True`` was forgotten);
+  2  unusable input or usage: missing or corrupt files, a PyTorch pickle (.bin/.pt: only
+     safetensors are read, never unpickled), a wrongly typed adapter_config.json value, a
+     ``--base`` that matches none of the adapter's modules, a ``--report`` that cannot be
+     written or lacks matplotlib. Each problem is one line on stderr; never a traceback.
+
+``--make-sample`` is a hidden, deprecated alias of ``doracheck sample PATH``: it prints a
+one-line deprecation on stderr and follows the same rule (never overwrites a file).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
+import textwrap
+from pathlib import Path
+
+PROG = "doracheck audit"
 
 
-def _table(report) -> str:
-    header = ("module", "r", "d_in→d_out", "s", "err", "warn", "n range", "median |g-1|", "bf16 collapse", "merge ulp (med/max)")
-    rows = []
-    for m in report.modules:
-        n = m.stats.get("norm")
-        g = m.stats.get("g")
-        merge = m.stats.get("merge_ulp")
-        rows.append(
-            (
-                m.name,
-                str(m.r if m.r is not None else "?"),
-                f"{m.d_in}→{m.d_out}" if m.d_in is not None else "?",
-                f"{m.scaling:.3g}" if m.scaling is not None else "?",
-                str(m.count("error")),
-                str(m.count("warning")),
-                f"{n['min']:.3g}..{n['max']:.3g}" if n else "-",
-                f"{g['median_abs_g_minus_1']:.2e}" if g else "-",
-                f"{100 * m.stats['collapse_bf16']:.0f}%" if "collapse_bf16" in m.stats else "-",
-                f"{merge['median']:.2f}/{merge['max']:.1f}" if merge else "-",
-            )
-        )
+def format_table(header, rows) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths)).rstrip(), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def format_legend(entries, width: int = 100) -> str:
+    lines = ["legend:"]
+    for name, text in entries:
+        lines += textwrap.wrap(f"{name}: {text}", width=width, initial_indent="  ", subsequent_indent="      ")
     return "\n".join(lines)
 
 
@@ -49,49 +59,134 @@ def _finite_json(value):
     return value
 
 
+def print_text(report, verbose: bool) -> None:
+    from doracheck.audit import summary
+
+    print(f"{PROG}: {report.path} ({report.fmt}, {len(report.modules)} modules)")
+    for i, note in enumerate(report.notes):  # a plain LoRA adapter's notice comes first
+        print(f"{'notice' if report.plain_lora and i == 0 else 'note'}: {note}")
+    print(format_table(summary.header(report), summary.rows(report)))
+    print()
+    print(format_legend(summary.legend(report)))
+    shown = {"error", "warning", "info"} if verbose else {"error", "warning"}
+    findings = [(m.name, c) for m in report.modules for c in m.checks if c.severity in shown]
+    if findings:
+        print("\nfindings:")
+        for name, c in findings:
+            print(f"  {c.severity:7s} {c.id:22s} {name}: {c.message}")
+    hidden = 0 if verbose else report.summary()["infos"]
+    print()
+    if hidden:
+        print(f"({hidden} info findings not shown: --verbose lists them)")
+    print(summary.summary_line(report))
+    memory = summary.memory_line(report)
+    if memory:
+        print(memory)
+
+
+def _check_report_path(args) -> str | None:
+    """The reason --report cannot be honoured (checked before the audit), or None."""
+    from doracheck.cli.html_report import matplotlib_or_none
+
+    if not args.report:
+        return None
+    _, missing = matplotlib_or_none()
+    if missing:
+        return f"--report: {missing}"
+    target = Path(args.report)
+    if target.is_dir():
+        return f"--report {target}: is a folder; give a file name such as report.html"
+    if not target.parent.is_dir():
+        return f"--report {target}: the folder {target.parent} does not exist"
+    inputs = [Path(p) for p in (args.path, args.base, args.config) if p]
+    folder = Path(args.path)
+    if folder.is_dir():
+        inputs += [folder / "adapter_model.safetensors", folder / "adapter_config.json"]
+    if any(p.exists() and target.exists() and p.samefile(target) for p in inputs):
+        return f"--report {target}: is one of the audit's input files; choose another name"
+    return None
+
+
+def _write_report(report, path: str, json_output: bool) -> None:
+    from doracheck.audit.html import fill
+    from doracheck.cli.html_report import Report, matplotlib_or_none
+    from doracheck.cli.progress import Progress
+
+    plt, _ = matplotlib_or_none()
+    doc = Report(f"doracheck audit: {report.path}")
+    with Progress("report", len(report.modules), json_output=json_output, unit="module") as bar:
+        fill(doc, report, plt, bar)
+    doc.write(path)
+
+
 def run(args) -> int:
-    from doracheck.audit import AuditInputError, audit_path, default_progress
-    from doracheck.audit.sample import write_sample
+    from doracheck.audit import AuditInputError, audit_path
+    from doracheck.cli.progress import Progress
+
+    if args.make_sample:
+        from doracheck.cli.sample_cmd import make
+
+        print(f"{PROG}: --make-sample is deprecated: use 'doracheck sample PATH' (it never overwrites files)", file=sys.stderr)
+        return make(args.path, fresh=False, command=PROG)
+    problem = _check_report_path(args)
+    if problem:
+        print(f"{PROG}: {problem}", file=sys.stderr)
+        return 2
+    bars: list[Progress] = []
+
+    def progress(i: int, total: int, name: str) -> None:
+        if not bars:
+            bars.append(Progress("audit", total, json_output=args.json, unit="module"))
+        bars[0](name)
 
     try:
-        if args.make_sample:
-            folder = write_sample(args.path)
-            print(f"wrote a sample DoRA adapter to {folder} (audit it with: doracheck audit {folder} --base {folder}/base_model.safetensors)")
-            return 0
-        progress = None if args.json else default_progress()
-        report = audit_path(args.path, base=args.base, config=args.config, device=args.device, progress=progress)
+        report = audit_path(args.path, base=args.base, config=args.config, device=args.device, progress=progress,
+                            keep_arrays=bool(args.report))
     except AuditInputError as exc:
-        print(f"doracheck audit: {exc}", file=sys.stderr)
+        for line in exc.lines:
+            print(f"{PROG}: {line}", file=sys.stderr)
         return 2
-    summary = report.summary()
+    finally:
+        for bar in bars:
+            bar.done()
     if args.json:
         print(json.dumps(_finite_json(report.as_dict()), indent=2, allow_nan=False))
     else:
-        print(f"doracheck audit: {report.path} ({report.fmt}, {summary['modules']} modules)")
-        for note in report.notes:
-            print(f"note: {note}")
-        print(_table(report))
-        findings = [(m.name, c) for m in report.modules for c in m.checks if c.severity != "info"]
-        if findings:
-            print("\nfindings:")
-            for name, c in findings:
-                print(f"  {c.severity:7s} {c.id:22s} {name}: {c.message}")
-        mem = summary["memory_bytes"]
-        print(
-            f"\nsummary: {summary['modules']} modules, {summary['errors']} errors, {summary['warnings']} warnings; "
-            f"norm memory dense {mem['dense_norm'] / 2**20:.1f} MiB vs factored {mem['factored_norm'] / 2**20:.2f} MiB"
-        )
-    failed = summary["errors"] > 0 or (args.strict and summary["warnings"] > 0)
+        print_text(report, args.verbose)
+    if args.report:
+        try:
+            _write_report(report, args.report, args.json)
+        except OSError as exc:
+            print(f"{PROG}: --report {args.report}: cannot write: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        if not args.json:
+            print(f"report: {args.report}")
+    s = report.summary()
+    failed = s["errors"] > 0 or (args.strict and (s["warnings"] > 0 or report.plain_lora))
     return 1 if failed else 0
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("audit", help="health and numerical audit of a DoRA checkpoint (safetensors)")
-    p.add_argument("path", help="adapter_model.safetensors, a folder holding it, or any safetensors file with DoRA tensors")
-    p.add_argument("--base", help="base model: a safetensors file, a sharded folder (index.json) or a folder with one file")
-    p.add_argument("--config", help="adapter_config.json (default: next to the adapter)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
-    p.add_argument("--make-sample", action="store_true", help="write a sample DoRA adapter and base model to PATH and exit")
+    p = sub.add_parser(
+        "audit",
+        help="health and numerical audit of a DoRA checkpoint (safetensors)",
+        description="Audit a PEFT (or kohya/LyCORIS) DoRA adapter saved as safetensors: structure, finite values, "
+        "magnitudes, and with --base the norms, the scale g = m/n, 16-bit collapse, overflow headroom and merge error. "
+        "Reads only safetensors (never unpickles); one module in memory at a time. "
+        "Exit 0 no errors, 1 errors (--strict: warnings too), 2 unusable input. Try it: doracheck sample DIR.",
+    )
+    p.add_argument("path", metavar="PATH", help="adapter_model.safetensors, a folder holding it (PEFT's save_pretrained), or any "
+                   "safetensors file with DoRA tensors")
+    p.add_argument("--base", metavar="PATH", help="the base model the adapter was trained on, for the norm, scale and merge checks: "
+                   "a safetensors file, a sharded folder (model.safetensors.index.json) or a folder with one safetensors file")
+    p.add_argument("--config", metavar="FILE", help="adapter_config.json (default: the one next to the adapter)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table (no progress bar)")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="also list info-level findings (norm terms, g statistics, 16-bit collapse, merge error per module)")
+    p.add_argument("--report", metavar="FILE.html", help="also write a self-contained HTML report with the table, the legend, "
+                   "the findings and per-module plots (needs matplotlib)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the norms are computed (default auto: cuda when available)")
+    p.add_argument("--strict", action="store_true", help="exit 1 on warnings too, and on a plain LoRA adapter (no DoRA magnitudes)")
+    p.add_argument("--make-sample", action="store_true", help=argparse.SUPPRESS)  # deprecated: doracheck sample PATH
     p.set_defaults(run=run)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 
@@ -48,7 +49,38 @@ def collect() -> dict:
     return info
 
 
+def version_line() -> str:
+    """``doracheck 0.1.0 (torch 2.x, triton 3.x, python 3.11.x)``: what ``doracheck --version`` prints."""
+    from doracheck.measure import versions
+
+    v = versions()
+    triton = f"triton {v['triton']}" if v["triton"] else "triton not installed"
+    return f"doracheck {v['doracheck']} (torch {v['torch']}, {triton}, python {platform.python_version()})"
+
+
+class VersionAction(argparse.Action):
+    """``--version``: print ``version_line()`` and exit 0 (looked up only when asked)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from doracheck.cli.verify_cmd import stdout_closed
+
+        try:
+            print(version_line(), flush=True)
+        except BrokenPipeError:
+            parser.exit(stdout_closed())
+        parser.exit(0)
+
+
 def run(args) -> int:
+    from doracheck.cli.verify_cmd import guarded
+
+    return guarded("env", _run, args)
+
+
+def _run(args) -> int:
     info = collect()
     if args.json:
         print(json.dumps(info, indent=2))
@@ -74,7 +106,9 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("env", help="versions, device, architecture family and dispatch decision")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p = sub.add_parser("env", help="versions, device, architecture family and dispatch decision",
+                       description="Print the versions (doracheck, Python, torch, triton, numpy), the CUDA devices with "
+                                   "their architecture family, and which path (Triton or torch) a call takes here.")
+    p.add_argument("--json", action="store_true", help="print one JSON object (the same fields) instead of the text")
     p.set_defaults(run=run)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import audit_cmd, bench_cmd, calibrate_cmd, env_cmd, verify_cmd
+from . import audit_cmd, bench_cmd, calibrate_cmd, env_cmd, sample_cmd, verify_cmd
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 
@@ -19,10 +19,12 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="doracheck", description="Fast, verified DoRA: kernels, oracles and checks.")
+    parser.add_argument("--version", action=env_cmd.VersionAction, help="print the versions of doracheck, torch and triton and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     env_cmd.add_parser(sub)
     verify_cmd.add_parser(sub)
     audit_cmd.add_parser(sub)
+    sample_cmd.add_parser(sub)
     calibrate_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
     return parser
