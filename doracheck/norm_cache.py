@@ -158,7 +158,9 @@ def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, 
     the caller says). With ``magnitude`` the value may depend on it too (its version is part
     of the key); ``tag`` (the implementation path) is part of the key, so paths never share
     entries."""
-    if not _cacheable():
+    if not _cacheable() or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # Under CUDA graph capture the norm is part of the graph: a replay recomputes it from the
+        # parameters as they are then; a stored tensor would be graph memory that replays overwrite.
         return compute()
     key = _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude)
     if key is None:

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from .constants import EPS
 from .settings import compose_config, grad_config
+from .tracing import tracing
 from .triton_common import dot_acc, interpreting, launcher, round_to
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -136,6 +137,14 @@ def _grad_scale_dm_kernel(
     tl.store(part_ptr + pid_t * stride_pb + cols, part, mask=col_ok)
 
 
+def _unused_pointer(like: torch.Tensor, traced: bool) -> torch.Tensor:
+    """What to pass for a pointer argument the kernel never dereferences (its flag is off).
+    While tracing, a 1-element buffer of its own (of ``like``'s rank and dtype): a tensor passed as two pointer arguments made
+    Inductor treat them as aliases and miscompute (``norm_triton.rowdot_parts`` says how). In
+    eager ``like`` itself, which costs no allocation and is never read through that pointer."""
+    return torch.empty((1,) * like.dim(), dtype=like.dtype, device=like.device) if traced else like
+
+
 def lora_up_compose_triton(
     base: torch.Tensor,
     xa: torch.Tensor,
@@ -162,8 +171,9 @@ def lora_up_compose_triton(
     cfg = compose_config(T, d_out, r)
     dot_dtype = _TL_DTYPE[xa.dtype]
     grid = (triton.cdiv(T, cfg.block_m) * triton.cdiv(d_out, cfg.block_n),)
-    bd = base_dropped if base_dropped is not None else base
-    z = z_out if z_out is not None else y
+    traced = tracing()
+    bd = base_dropped if base_dropped is not None else _unused_pointer(base, traced)
+    z = z_out if z_out is not None else _unused_pointer(y, traced)
     launcher(_lora_up_compose_kernel)[grid](
         y, y.stride(0), y.stride(1),
         z, z.stride(0), z.stride(1),
@@ -171,8 +181,8 @@ def lora_up_compose_triton(
         bd, bd.stride(0), bd.stride(1),
         xa, xa.stride(0), xa.stride(1),
         lora_B, lora_B.stride(0), lora_B.stride(1),
-        g, bias if bias is not None else g,
-        n_safe if n_safe is not None else g,
+        g, bias if bias is not None else _unused_pointer(g, traced),
+        n_safe if n_safe is not None else _unused_pointer(g, traced),
         T, d_out, r, float(scaling),
         HAS_BIAS=bias is not None, HAS_BASE_D=base_dropped is not None, WRITE_Z=z_out is not None,
         BASE_HAS_BIAS=base_has_bias and bias is not None and base_dropped is None, G_FROM_M=n_safe is not None,
@@ -205,7 +215,7 @@ def grad_scale_dm_triton(
         part, part.stride(0),
         dy, dy.stride(0), dy.stride(1),
         saved, saved.stride(0), saved.stride(1),
-        g, n, bias if bias is not None else g,
+        g, n, bias if bias is not None else _unused_pointer(g, tracing()),
         T, d_out, EPS,
         FROM_OUTPUT=from_output, HAS_BIAS=bias is not None and from_output, FINAL_DM=final_dm, INTERPRET=interpreting(),
         MAX_OUT=torch.finfo(dy.dtype).max,

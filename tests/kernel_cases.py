@@ -42,11 +42,12 @@ def oracle(case, dy, **kwargs):
     return y.detach(), _grads(y, leaves, dy.double())
 
 
-def check_against_oracle(case, dtype, **kwargs):
-    """Assert y and the gradients are within budget; returns the errors for reporting."""
+def check_against_oracle(case, dtype, *, impl=doracheck.dora_linear, **kwargs):
+    """Assert y and the gradients of ``impl`` (``dora_linear``'s signature) are within budget;
+    returns the errors for reporting."""
     gen = torch.Generator().manual_seed(1234)
     dy = torch.randn(*case.x.shape[:-1], case.weight.shape[0], generator=gen).to(case.x.device, dtype)
-    y, grads = run_case(case, dy, **kwargs)
+    y, grads = run_case(case, dy, impl=impl, **kwargs)
     y_ref, grads_ref = oracle(case, dy, **kwargs)
     family = device_family(case.x.device)
     name = DTYPE_NAMES[dtype]
