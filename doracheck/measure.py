@@ -159,10 +159,28 @@ class CsvRows:
     """Rows written to a CSV file as they come (a run cut short keeps what it measured); dict
     cells as JSON, a missing value (triton not installed) empty. The header is the first row's
     keys: the device's name, the versions, the shape, dtype and mode, then the times in ms
-    (median, p10 and p90 of the samples). Opening raises OSError (the caller reports it)."""
+    (median, p10 and p90 of the samples).
+
+    An existing file is left as it was until a row exists: the header and the first row go to
+    a temporary file in the same folder, which then replaces ``path`` (``os.replace``); later
+    rows are appended. A run that measures nothing removes only its temporary file. An
+    existing ``path`` that is not a regular file (a folder, /dev/null) is refused. Opening and
+    writing raise OSError (the caller reports it); ``close()`` always cleans up."""
 
     def __init__(self, path: str) -> None:
-        self._file = open(path, "w", newline="")  # noqa: SIM115 (closed by close())
+        import errno
+        import os
+        import tempfile
+
+        self.path = os.path.realpath(path)  # a symlink keeps pointing at the file it names
+        self.rows = 0
+        if os.path.lexists(self.path) and not os.path.isfile(self.path):
+            what = "is a folder" if os.path.isdir(self.path) else "exists and is not a regular file"
+            raise OSError(errno.EEXIST, f"{what}; give the name of a new or regular file")
+        folder, name = os.path.split(self.path)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+        self._tmp: str | None = tmp
+        self._file = os.fdopen(fd, "w", newline="")
         self._writer: csv.DictWriter | None = None
 
     def write(self, row: dict) -> None:
@@ -172,9 +190,39 @@ class CsvRows:
             self._writer.writeheader()
         self._writer.writerow(flat)
         self._file.flush()
+        self.rows += 1
+        if self._tmp is not None:  # the first row: the file now holds something worth keeping
+            self._file.close()
+            self._replace()
+            self._file = open(self.path, "a", newline="")  # noqa: SIM115 (closed by close())
+            self._writer = csv.DictWriter(self._file, fieldnames=list(flat))
+
+    def _replace(self) -> None:
+        import os
+
+        tmp, self._tmp = str(self._tmp), None
+        try:
+            umask = os.umask(0o022)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would make a private file of a shared one
+            os.replace(tmp, self.path)
+        except BaseException:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            raise
 
     def close(self) -> None:
+        import os
+
         self._file.close()
+        if self._tmp is not None:  # no row was written: FILE stays as it was
+            tmp, self._tmp = self._tmp, None
+            try:
+                os.remove(tmp)
+            except FileNotFoundError:
+                pass
 
 
 __all__ = ["CsvRows", "Spread", "bench_row", "measure_variant_spread", "measure_variants", "plan_summary", "versions"]

@@ -392,7 +392,7 @@ def test_report_without_matplotlib_exits_2_before_auditing(work):
 
 def test_report_path_that_cannot_be_written(work):
     before = snapshot(work)
-    for target, why in (("nowhere/r.html", "does not exist"), ("s", "is a folder"), ("s/adapter_config.json", "input files")):
+    for target, why in (("nowhere/r.html", "no such folder"), ("s", "is a folder"), ("s/adapter_config.json", "input files")):
         proc = _run(["audit", "s", "--report", target], work)
         assert proc.returncode == 2 and why in _one_line(proc)
     assert snapshot(work) == before

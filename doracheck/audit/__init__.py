@@ -29,7 +29,7 @@ from .checks import (
     note_kohya,
 )
 from .discovery import AdapterConfig, ModuleKeys, find_modules, natural_key, rank_and_scaling
-from .reader import AuditInputError, BaseWeights, SafetensorsFile, iter_adapter_files
+from .reader import AuditInputError, BaseWeights, SafetensorsFile, adapter_file
 
 __all__ = ["AuditInputError", "AuditReport", "ModuleReport", "audit_path"]
 
@@ -45,9 +45,13 @@ class AuditReport:
     notes: list[str] = field(default_factory=list)
     plain_lora: bool = False
 
-    def summary(self) -> dict:
+    def largest_module(self) -> ModuleReport | None:
+        """The module whose dense norm needs the most scratch (the memory line's), or None."""
         sized = [m for m in self.modules if "memory_bytes" in m.stats]
-        largest = max(sized, key=lambda m: m.stats["memory_bytes"]["dense_norm"], default=None)
+        return max(sized, key=lambda m: m.stats["memory_bytes"]["dense_norm"], default=None)
+
+    def summary(self) -> dict:
+        largest = self.largest_module()
         memory = {"module": largest.name, **largest.stats["memory_bytes"]} if largest else {}
         return {
             "modules": len(self.modules),
@@ -88,19 +92,28 @@ def audit_path(
 ) -> AuditReport:
     """Audit every DoRA module of the adapter at ``path`` (a file, or a folder holding
     adapter_model.safetensors and usually adapter_config.json). ``progress(i, total, name)``
-    is called before each module; ``keep_arrays`` keeps per-feature vectors for plots."""
-    dev = _device(device)
-    path = Path(path)
-    adapter_file = next(iter_adapter_files(path))
-    config_path = Path(config) if config else (path / "adapter_config.json" if path.is_dir() else adapter_file.parent / "adapter_config.json")
+    is called before each module; ``keep_arrays`` keeps per-feature vectors for plots.
+    A path that cannot be read (no permission, a name too long) is an ``AuditInputError``."""
+    try:
+        return _audit(Path(path), base, config, _device(device), progress, keep_arrays)
+    except BrokenPipeError:  # the caller's output went away (a progress callback): not an input problem
+        raise
+    except OSError as exc:
+        where = exc.filename if exc.filename is not None else path
+        raise AuditInputError(f"{where}: cannot read: {exc.strerror or exc}") from None
+
+
+def _audit(path: Path, base, config, dev, progress, keep_arrays: bool) -> AuditReport:
+    adapter_path = adapter_file(path)
+    config_path = Path(config) if config else adapter_path.parent / "adapter_config.json"
     cfg = AdapterConfig.load(config_path) if (config or config_path.is_file()) else None
     base_weights = BaseWeights(Path(base)) if base else None
     try:
-        with SafetensorsFile(adapter_file) as adapter:
+        with SafetensorsFile(adapter_path) as adapter:
             modules = find_modules(list(adapter.tensors))
             if not modules:
-                raise AuditInputError(f"{adapter_file}: no LoRA/DoRA tensors (lora_A/lora_B/lora_magnitude_vector or lora_down/lora_up/dora_scale)")
-            report = AuditReport(str(adapter_file), "+".join(sorted({m.fmt for m in modules})))
+                raise AuditInputError(f"{adapter_path}: no LoRA/DoRA tensors (lora_A/lora_B/lora_magnitude_vector or lora_down/lora_up/dora_scale)")
+            report = AuditReport(str(adapter_path), "+".join(sorted({m.fmt for m in modules})))
             peft_modules = [m for m in modules if m.fmt == "peft"]
             report.plain_lora = bool(peft_modules) and not any("magnitude" in m.keys for m in peft_modules) and not (cfg and cfg.use_dora)
             if report.plain_lora:

@@ -2,8 +2,10 @@
 
 Check ids (severity):
   structure.missing (error)     A, B or the magnitude is absent
-  structure.dtype (error)       a tensor is not floating point
-  structure.shape (error)       A (r, d_in), B (d_out, r), m (d_out,), W (d_out, d_in) disagree
+  structure.dtype (error)       a tensor is not fp16, bf16, fp32 or fp64: an integer or bool tensor,
+                                or fp8 and other floats the audit does not compute in
+  structure.shape (error)       A (r, d_in), B (d_out, r), m (d_out,), W (d_out, d_in) disagree, or
+                                a dimension is 0 (an empty module: numerical checks skipped)
   structure.rank (error)        r differs from adapter_config.json (r / rank_pattern)
   config.missing (warning)      no adapter_config.json: scaling unknown, numerics skipped
   finite.<tensor> (error)       NaN / Inf entries, counted per tensor
@@ -19,7 +21,8 @@ Check ids (severity):
   scale.collapse_bf16/fp16 (info) of the features whose |g-1| exceeds the rounding noise
                                 (noise_floor), the share that rounds to exactly 1 in that dtype
   overflow.fp16/bf16 (warning/error) merged |W'_ij| <= m_i: headroom to the dtype's max
-  merge.ulp (info/warning)      merged-weight output vs the unmerged DoRA forward, in ulps, and
+  merge.ulp (info/warning)      merged-weight output vs the unmerged DoRA forward, in ulps of W's
+                                dtype (of fp32 for fp64: the merge is computed in fp32), and
                                 against the a-priori bound of one fp32 merge and one rounding;
                                 warning when the median exceeds 8 ulp or the bound is exceeded
   structure.not_dora (info)     a plain LoRA module (no magnitude, use_dora not true)
@@ -122,6 +125,10 @@ def check_structure(report: ModuleReport, tensors: dict[str, torch.Tensor], conf
     r, d_in = A.shape
     d_out = B.shape[0]
     report.r, report.d_in, report.d_out = int(r), int(d_in), int(d_out)
+    if 0 in (r, d_in, d_out):  # nothing to compute a norm, a scale or a merge over
+        report.add("structure.shape", "error", f"empty module: r = {r}, d_in = {d_in}, d_out = {d_out} (lora_A "
+                   f"{tuple(A.shape)}, lora_B {tuple(B.shape)}); every dimension must be at least 1")
+        ok = False
     if B.shape[1] != r:
         report.add("structure.shape", "error", f"lora_B: expected shape ({d_out}, {r}) (r of lora_A), got {tuple(B.shape)}")
         ok = False
@@ -260,6 +267,12 @@ def check_norm_and_scale(report: ModuleReport, W, A, B, m, scaling: float, fan_i
     return g
 
 
+def ulp_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype whose ulps measure the merge error: W's, but never finer than fp32, the
+    precision the merge is computed in (an fp64 W holds an fp32-accurate merged weight)."""
+    return dtype if torch.finfo(dtype).bits <= 32 else torch.float32
+
+
 def _merge_block(x, xa, W_blk, B_blk, g_blk, A, s: float, dtype):
     """(output ulp errors, error / a-priori bound) of one row block of the merged weight; the
     exact output and the bound are evaluated factored, only the merged block is formed."""
@@ -269,7 +282,7 @@ def _merge_block(x, xa, W_blk, B_blk, g_blk, A, s: float, dtype):
     exact_out = g64 * (x @ W64.t() + s * (xa @ B64.t()))
     merged = (g_blk.float()[:, None] * (W_blk.float() + s * (B_blk.float() @ A.float()))).to(dtype)
     approx = x @ merged.double().t()
-    ulps = ulp_error(approx.to(dtype), exact_out)
+    ulps = ulp_error(approx.to(ulp_dtype(dtype)), exact_out)
     # one rounding to dtype (unit roundoff u) after an fp32 merge (r + 4 fp32 roundings at most)
     u = torch.finfo(dtype).eps / 2 + (A.shape[0] + 4) * torch.finfo(torch.float32).eps / 2
     x_abs = x.abs()
@@ -281,7 +294,8 @@ def _merge_block(x, xa, W_blk, B_blk, g_blk, A, s: float, dtype):
 
 def check_merge(report: ModuleReport, W, A, B, g, scaling: float, fan_in_fan_out: bool, device, seed: int = 0) -> None:
     """Probe x (8 tokens): x·W'ᵀ with W' = g ⊙ (W + s·B·A) computed in fp32 and cast to W's
-    dtype, against the exact merge in fp64, in ulps of W's dtype, and against the a-priori
+    dtype, against the exact merge in fp64, in ulps of W's dtype (of fp32 for an fp64 W: the
+    merge's own precision, ``ulp_dtype``), and against the a-priori
     bound of that merge (one rounding of W' to W's dtype after an fp32 merge), |x|·(u·|g|·
     (|W| + |s|·|B|·|A|))ᵀ: a ratio above 1 means merged entries lost more than rounding allows
     (overflow, or underflow to subnormals). Row blocks keep memory at O(ROW_BLOCK·d_in)."""
@@ -308,7 +322,8 @@ def check_merge(report: ModuleReport, W, A, B, g, scaling: float, fan_in_fan_out
     if report.keep_arrays:
         report.arrays["merge_ulp"] = err.numpy()
     name = str(dtype).replace("torch.", "")
-    message = (f"merged {name} weight vs the exact merge: output error median {median:.2f} ulp, max {worst:.1f} ulp, "
+    unit = "" if ulp_dtype(dtype) == dtype else " (ulps of float32, the precision of the merge)"
+    message = (f"merged {name} weight vs the exact merge: output error median {median:.2f} ulp, max {worst:.1f} ulp{unit}, "
                f"at most {worst_ratio:.2g}× the rounding bound")
     if median > MERGE_MEDIAN_ULP_LIMIT or not worst_ratio <= 1:
         report.add("merge.ulp", "warning", message + f" (warning: median above {MERGE_MEDIAN_ULP_LIMIT:g} ulp or the bound exceeded)")
@@ -316,7 +331,7 @@ def check_merge(report: ModuleReport, W, A, B, g, scaling: float, fan_in_fan_out
         report.add("merge.ulp", "info", message)
 
 
-def check_memory(report: ModuleReport, d_out: int, d_in: int, r: int, device) -> tuple[int, int]:
+def check_memory(report: ModuleReport, d_out: int, d_in: int, r: int, device) -> None:
     """The norm's scratch, like for like in fp32 (W itself excluded): a dense norm holds at
     least V = W + s·B·A (d_out×d_in; PEFT's eager path also holds B·A); the factored norm holds
     U = W·Aᵀ (d_out×r), G = A·Aᵀ (r×r) and four d_out vectors (base, cross, lora, n).
@@ -334,7 +349,6 @@ def check_memory(report: ModuleReport, d_out: int, d_in: int, r: int, device) ->
                                     "implementation_bound": bound, "path": path}
     report.add("memory", "info", f"norm scratch in fp32 (W excluded): dense V = W + s·B·A {format_bytes(dense)}, "
                f"factored terms {format_bytes(factored)}")
-    return dense, factored
 
 
 def format_bytes(n: float) -> str:
@@ -351,7 +365,7 @@ def note_kohya(report: ModuleReport, keys: ModuleKeys, tensors: dict[str, torch.
     axis = "unknown"
     if mag is not None and A is not None and B is not None and A.dim() == 2 and B.dim() == 2:
         report.r, report.d_in, report.d_out = int(A.shape[0]), int(A.shape[1]), int(B.shape[0])
-        if mag.numel() == A.shape[1] and (mag.dim() == 1 or mag.shape[0] == 1):
+        if mag.numel() == A.shape[1] and (mag.dim() <= 1 or mag.shape[0] == 1):
             axis = "per input feature (column norm, LyCORIS default)"
         elif mag.numel() == B.shape[0]:
             axis = "per output feature (row norm, wd_on_output)"

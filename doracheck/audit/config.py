@@ -74,8 +74,9 @@ def _pattern(problems: _Problems, raw: dict, key: str, check) -> dict:
     for pattern, entry in value.items():
         try:
             re.compile(pattern)
-        except re.error as exc:
-            problems.lines.append(f"{problems.path}: {key} pattern {pattern!r} is not a valid regular expression ({exc})")
+        except (re.error, OverflowError, RecursionError) as exc:  # a repeat count too large, nesting too deep
+            shown = pattern if len(pattern) <= 60 else pattern[:57] + "..."
+            problems.lines.append(f"{problems.path}: {key} pattern {shown!r} is not a valid regular expression ({exc})")
             continue
         checked = check(problems, f"{key}[{json.dumps(pattern)}]", entry)
         if checked is not None:
@@ -98,13 +99,15 @@ class AdapterConfig:
     def load(cls, path: Path) -> AdapterConfig:
         path = Path(path)
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(path.read_text(encoding="utf-8"))
         except OSError as exc:
             raise AuditInputError(f"{path}: cannot read: {exc.strerror or exc}") from None
         except UnicodeDecodeError:
             raise AuditInputError(f"{path}: not a UTF-8 text file (expected PEFT's adapter_config.json)") from None
         except json.JSONDecodeError as exc:
             raise AuditInputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        except (ValueError, RecursionError) as exc:  # nested too deep, a number too long
+            raise AuditInputError(f"{path}: not usable JSON ({exc.__class__.__name__}: {str(exc)[:80]})") from None
         if not isinstance(raw, dict):
             raise AuditInputError(f"{path}: not a JSON object")
         return cls.from_dict(raw, path)

@@ -44,7 +44,7 @@ def pattern_key(patterns: dict, module: str) -> str | None:
         try:
             if re.match(rf"(.*\.)?({key})$", module):
                 return key
-        except re.error:
+        except (re.error, OverflowError, RecursionError):  # checked in config.py; never fatal here
             continue
     return None
 
@@ -65,9 +65,13 @@ def rank_and_scaling(config: AdapterConfig | None, module: str, r_found: int) ->
     return r, scaling, how
 
 
+_DIGITS = re.compile(r"([0-9]+)")  # ASCII digits only: str.isdigit() accepts '²', which int() refuses
+
+
 def natural_key(name: str) -> list:
-    """Sort key that orders digit runs by value: layers.2 < layers.10."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+    """Sort key that orders runs of ASCII digits by value: layers.2 < layers.10. re.split with
+    one group puts the digit runs at the odd positions, so the key alternates str and int."""
+    return [int(part) if i % 2 else part for i, part in enumerate(_DIGITS.split(name))]
 
 
 def find_modules(keys: list[str]) -> list[ModuleKeys]:

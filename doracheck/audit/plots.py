@@ -40,9 +40,9 @@ def _g_panel(ax, arrays: dict) -> None:
     ax.axvline(floor, color="#555", lw=0.8, ls=":", label=f"noise floor ±{floor:.1e}")
     ax.hist(dev, bins=np.linspace(-span, span, 61), color="#264653", histtype="stepfilled", alpha=0.85, label="features")
     ax.set_xlim(-span, span)
-    ax.set_xlabel("g - 1")
-    ax.set_ylabel("features")
-    ax.set_title("g - 1 against the 16-bit collapse zones", fontsize=9)
+    ax.set_xlabel("g - 1", parse_math=False)
+    ax.set_ylabel("features", parse_math=False)
+    ax.set_title("g - 1 against the 16-bit collapse zones", fontsize=9, parse_math=False)
     ax.legend(**LEGEND_BELOW)
 
 
@@ -60,9 +60,9 @@ def _terms_panel(ax, arrays: dict) -> None:
         drawn = True
     if drawn:
         ax.set_xscale("log")
-    ax.set_xlabel("per-feature value (n² is their sum)")
-    ax.set_ylabel("features")
-    ax.set_title("norm terms", fontsize=9)
+    ax.set_xlabel("per-feature value (n² is their sum)", parse_math=False)
+    ax.set_ylabel("features", parse_math=False)
+    ax.set_title("norm terms", fontsize=9, parse_math=False)
     ax.legend(**LEGEND_BELOW)
 
 
@@ -74,9 +74,9 @@ def _merge_panel(ax, arrays: dict, stats: dict) -> None:
         ax.set_xscale("log")
     ax.axvline(stats["median"], color="#222", lw=1, label=f"median {stats['median']:.2f} ulp")
     ax.axvline(MERGE_MEDIAN_ULP_LIMIT, color="#b00020", lw=1, ls="--", label=f"warning if median > {MERGE_MEDIAN_ULP_LIMIT:g}")
-    ax.set_xlabel("merged-weight output error (ulp)")
-    ax.set_ylabel("outputs")
-    ax.set_title(f"merge error (≤ {stats.get('max_vs_bound', float('nan')):.2g}× the rounding bound)", fontsize=9)
+    ax.set_xlabel("merged-weight output error (ulp)", parse_math=False)
+    ax.set_ylabel("outputs", parse_math=False)
+    ax.set_title(f"merge error (≤ {stats.get('max_vs_bound', float('nan')):.2g}× the rounding bound)", fontsize=9, parse_math=False)
     ax.legend(**LEGEND_BELOW)
 
 
@@ -93,6 +93,6 @@ def module_figure(plt, module: ModuleReport):
         _merge_panel(axes[2], arrays, module.stats["merge_ulp"])
     else:
         axes[2].set_axis_off()
-    fig.suptitle(module.name, fontsize=10)
+    fig.suptitle(module.name, fontsize=10, parse_math=False)  # a user's name: "$" is no math
     fig.tight_layout()
     return fig

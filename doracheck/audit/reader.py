@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,6 @@ _DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
     "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1,
 }
-FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 
 class AuditInputError(Exception):
@@ -111,7 +109,7 @@ def read_header(path: Path, role: str = "adapter") -> tuple[dict[str, TensorInfo
         raise _fail(path, f"cannot read: {exc.strerror or exc}") from None
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError, JSONDecodeError, too deep or too long a number
         raise _fail(path, f"header is not valid JSON ({exc.__class__.__name__}: {str(exc)[:80]})") from None
     if not isinstance(header, dict):
         raise _fail(path, "header is not a JSON object")
@@ -195,9 +193,13 @@ class BaseWeights:
             index = self.path / "model.safetensors.index.json"
             if index.is_file():
                 try:
-                    weight_map = json.loads(index.read_text()).get("weight_map")
-                except (OSError, json.JSONDecodeError, AttributeError) as exc:
-                    raise _fail(index, f"unreadable index: {exc}") from None
+                    weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+                except OSError as exc:
+                    raise _fail(index, f"cannot read: {exc.strerror or exc}") from None
+                except UnicodeDecodeError:
+                    raise _fail(index, "not a UTF-8 text file (expected a JSON index of the shards)") from None
+                except (ValueError, RecursionError, AttributeError) as exc:  # JSONDecodeError is a ValueError
+                    raise _fail(index, f"unreadable index: {exc.__class__.__name__}: {str(exc)[:80]}") from None
                 if not isinstance(weight_map, dict):
                     raise _fail(index, "no weight_map object")
                 for key, shard in weight_map.items():
@@ -206,7 +208,7 @@ class BaseWeights:
                         raise _fail(index, f"shard {shard!r} lies outside the folder")
                     self._where[key] = shard_path
             else:
-                files = sorted(self.path.glob("*.safetensors"))
+                files = sorted(p for p in self.path.glob("*.safetensors") if p.is_file())
                 if not files:
                     pickles = _pickles_in(self.path)
                     if pickles:
@@ -266,21 +268,23 @@ def _pickles_in(folder: Path) -> list[str]:
     return known + [n for n in found if n not in known]
 
 
-def iter_adapter_files(path: Path) -> Iterator[Path]:
+def adapter_file(path: Path) -> Path:
     """The adapter file for PATH: the file itself, or adapter_model.safetensors in a folder."""
     path = Path(path)
     if path.is_dir():
         candidate = path / "adapter_model.safetensors"
+        if candidate.is_dir():
+            raise _fail(candidate, "is a folder, not a file; the adapter is the file adapter_model.safetensors that "
+                        "PEFT's save_pretrained writes")
         if not candidate.is_file():
             pickles = _pickles_in(path)
             if pickles:
                 raise pickle_error(path, f"has {pickles[0]} (a PyTorch pickle, as save_pretrained(..., safe_serialization=False) "
                                    "writes) but no adapter_model.safetensors", "adapter")
-            others = sorted(p.name for p in path.glob("*.safetensors"))
+            others = sorted(p.name for p in path.glob("*.safetensors") if p.is_file())
             hint = f" (it has {', '.join(others[:3])}: pass the adapter file itself)" if others else ""
             raise _fail(path, f"folder has no adapter_model.safetensors{hint}")
-        yield candidate
-    elif path.is_file():
-        yield path
-    else:
-        raise _fail(path, "no such file or folder")
+        return candidate
+    if path.is_file():
+        return path
+    raise _fail(path, "no such file or folder")

@@ -61,21 +61,19 @@ def write_sample(
     folder: str | Path, *, r: int = 8, alpha: float = 16.0, seed: int = 0, fresh: bool = False, defects: tuple[str, ...] = ()
 ) -> Path:
     """Write the sample into ``folder`` (created if missing) without overwriting anything.
-    defects: "nan" (NaN in one lora_B), "zero_magnitude", "bad_shape"."""
+    defects: "nan" (NaN in one lora_B), "zero_magnitude", "bad_shape". A write that fails (or is
+    interrupted) removes what this call wrote, the folders it made included, and nothing else."""
     folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise AuditInputError(f"{folder}: is a file; the sample is three files written into a folder (a new one, or one without them)")
-    for name in FILES:
-        if (folder / name).exists():
-            raise AuditInputError(f"{folder / name}: already exists; the sample never overwrites files (choose a new or empty folder)")
-    adapter, base = sample_tensors(r, alpha, seed, fresh, defects)
-    config = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "use_dora": True, "use_rslora": False,
-              "target_modules": ["q_proj", "v_proj"], "rank_pattern": {}, "alpha_pattern": {}, "fan_in_fan_out": False}
-    contents = {
-        "adapter_model.safetensors": save({k: v.contiguous() for k, v in adapter.items()}),
-        "adapter_config.json": (json.dumps(config, indent=2) + "\n").encode(),
-        "base_model.safetensors": save({k: v.contiguous() for k, v in base.items()}),
-    }
+    try:
+        if folder.exists() and not folder.is_dir():
+            raise AuditInputError(f"{folder}: is a file; the sample is three files written into a folder (a new one, or one without them)")
+        for name in FILES:
+            if (folder / name).exists():
+                raise AuditInputError(f"{folder / name}: already exists; the sample never overwrites files (choose a new or empty folder)")
+        made = _missing_folders(folder)
+    except OSError as exc:
+        raise AuditInputError(f"{exc.filename or folder}: cannot use this folder: {exc.strerror or exc}") from None
+    contents = _contents(r, alpha, seed, fresh, defects)
     written: list[Path] = []
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -84,17 +82,43 @@ def write_sample(
                 written.append(folder / name)
                 f.write(data)
     except FileExistsError as exc:
-        _remove(written)
+        _remove(written, made)
         raise AuditInputError(f"{exc.filename}: already exists; the sample never overwrites files (choose a new or empty folder)") from None
     except OSError as exc:
-        _remove(written)
+        _remove(written, made)
         raise AuditInputError(f"{exc.filename or folder}: cannot write the sample: {exc.strerror or exc}") from None
+    except BaseException:  # Ctrl-C: leave nothing half-written behind
+        _remove(written, made)
+        raise
     return folder
 
 
-def _remove(paths: list[Path]) -> None:
-    for path in paths:
+def _contents(r: int, alpha: float, seed: int, fresh: bool, defects: tuple[str, ...]) -> dict[str, bytes]:
+    """The bytes of the three files."""
+    adapter, base = sample_tensors(r, alpha, seed, fresh, defects)
+    config = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "use_dora": True, "use_rslora": False,
+              "target_modules": ["q_proj", "v_proj"], "rank_pattern": {}, "alpha_pattern": {}, "fan_in_fan_out": False}
+    return {
+        "adapter_model.safetensors": save({k: v.contiguous() for k, v in adapter.items()}),
+        "adapter_config.json": (json.dumps(config, indent=2) + "\n").encode(),
+        "base_model.safetensors": save({k: v.contiguous() for k, v in base.items()}),
+    }
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """``folder`` and its ancestors that do not exist yet, deepest first (what mkdir(parents=True) makes)."""
+    missing = []
+    path = folder.absolute()
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove(paths: list[Path], folders: list[Path]) -> None:
+    """Remove the files this run wrote, then the folders it made (deepest first; only if empty)."""
+    for path, remove in [*((p, os.remove) for p in paths), *((f, os.rmdir) for f in folders)]:
         try:
-            os.remove(path)
+            remove(path)
         except OSError:
             pass

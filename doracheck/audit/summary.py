@@ -27,8 +27,8 @@ LEGEND = (
      "(-2^-12..+2^-11): a compose or merge that rounds g to that dtype loses their learned scale. A fresh adapter shows 0%. "
      "Not a defect of the file (doracheck keeps g in fp32), so never a finding: a high share says the learned magnitudes are "
      "finer than that dtype can hold."),
-    ("merge ulp", "median/max error, in ulps of each output, of the merged weight W' = g·(W + s·B·A) (fp32 merge, one rounding "
-     "to W's dtype) on 8 random probe inputs. One rounding gives a median near 0.5; the max is large wherever a probe "
+    ("merge ulp", "median/max error, in ulps of each output in W's dtype (in fp32 ulps for an fp64 W: the merge is computed "
+     "in fp32), of the merged weight W' = g·(W + s·B·A) (fp32 merge, one rounding to W's dtype) on 8 random probe inputs. One rounding gives a median near 0.5; the max is large wherever a probe "
      "output cancels to near 0 (its ulp is tiny) and is no defect by itself. Warning when the median exceeds "
      f"{MERGE_MEDIAN_ULP_LIMIT:g} ulp."),
     ("merge/bound", "the largest probe error over its a-priori bound |x|·(u·|g|·(|W| + |s|·|B|·|A|)), u the unit roundoff of "
@@ -86,10 +86,10 @@ def rows(report: AuditReport) -> list[tuple[str, ...]]:
 
 
 def memory_line(report: AuditReport) -> str | None:
-    mem = report.summary()["memory_bytes"]
-    if not mem:
+    largest = report.largest_module()
+    if largest is None:
         return None
-    largest = next(m for m in report.modules if m.name == mem["module"])
+    mem = largest.stats["memory_bytes"]
     dense, factored = mem["dense_norm"], mem["factored_norm"]
     return (f"norm scratch at the largest module ({largest.name}, {largest.d_out}×{largest.d_in}, r = {largest.r}), fp32: "
             f"dense W + s·B·A {format_bytes(dense)}, factored terms {format_bytes(factored)} ({dense / max(factored, 1):.1f}× less)")

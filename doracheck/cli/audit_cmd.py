@@ -3,10 +3,12 @@
 
 Text output: the summary table (modules in numeric order), a legend of its columns, the
 findings (errors and warnings; ``--verbose`` adds the info ones), a summary line and the norm
-scratch memory. ``--json`` prints one JSON object instead. ``--report FILE`` also writes one
+scratch memory. ``--json`` prints one JSON object instead. ``--report FILE.html`` also writes one
 self-contained HTML file with the table, the legend, the findings and per-module plots
-(needs matplotlib, checked before any work). A progress bar over modules appears on stderr
-when it is a terminal (not under ``--json`` or CI).
+(needs matplotlib). Before any work it checks that FILE.html can be written and is new or an
+earlier doracheck report: any other existing file (an input, model weights) is never replaced;
+the report is moved into place only when complete. A progress bar over modules appears on
+stderr when it is a terminal (not under ``--json`` or CI).
 
 Exit codes:
   0  no error-severity findings (warnings allowed), including a plain LoRA adapter: its
@@ -16,7 +18,9 @@ Exit codes:
   2  unusable input or usage: missing or corrupt files, a PyTorch pickle (.bin/.pt: only
      safetensors are read, never unpickled), a wrongly typed adapter_config.json value, a
      ``--base`` that matches none of the adapter's modules, a ``--report`` that cannot be
-     written or lacks matplotlib. Each problem is one line on stderr; never a traceback.
+     written, would replace a file doracheck did not write, or lacks matplotlib. Each problem is
+     one line on stderr; never a traceback;
+  130 interrupted (Ctrl-C); a closed stdout (``| head``) ends quietly with 141.
 
 ``--make-sample`` is a hidden, deprecated alias of ``doracheck sample PATH``: it prints a
 one-line deprecation on stderr and follows the same rule (never overwrites a file).
@@ -30,6 +34,10 @@ import math
 import sys
 import textwrap
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from doracheck.audit import AuditReport
 
 PROG = "doracheck audit"
 
@@ -86,7 +94,7 @@ def print_text(report, verbose: bool) -> None:
 
 def _check_report_path(args) -> str | None:
     """The reason --report cannot be honoured (checked before the audit), or None."""
-    from doracheck.cli.html_report import matplotlib_or_none
+    from doracheck.cli.html_report import matplotlib_or_none, target_problem
 
     if not args.report:
         return None
@@ -94,17 +102,16 @@ def _check_report_path(args) -> str | None:
     if missing:
         return f"--report: {missing}"
     target = Path(args.report)
-    if target.is_dir():
-        return f"--report {target}: is a folder; give a file name such as report.html"
-    if not target.parent.is_dir():
-        return f"--report {target}: the folder {target.parent} does not exist"
     inputs = [Path(p) for p in (args.path, args.base, args.config) if p]
-    folder = Path(args.path)
-    if folder.is_dir():
-        inputs += [folder / "adapter_model.safetensors", folder / "adapter_config.json"]
-    if any(p.exists() and target.exists() and p.samefile(target) for p in inputs):
-        return f"--report {target}: is one of the audit's input files; choose another name"
-    return None
+    try:
+        if Path(args.path).is_dir():
+            inputs += [Path(args.path) / "adapter_model.safetensors", Path(args.path) / "adapter_config.json"]
+        if target.is_file() and any(p.exists() and p.samefile(target) for p in inputs):  # a folder: target_problem
+            return f"--report {target}: is one of the audit's input files; choose another name"
+    except OSError as exc:
+        return f"--report {target}: cannot check it against the inputs: {exc.strerror or exc}"
+    problem = target_problem(args.report)
+    return f"--report: {problem}" if problem else None
 
 
 def _write_report(report, path: str, json_output: bool) -> None:
@@ -120,9 +127,36 @@ def _write_report(report, path: str, json_output: bool) -> None:
 
 
 def run(args) -> int:
+    from doracheck.cli.verify_cmd import guarded
+
+    return guarded("audit", _run, args)
+
+
+def _audit(args) -> AuditReport | int:
+    """The report, or the exit code 2 after printing the input problems."""
     from doracheck.audit import AuditInputError, audit_path
     from doracheck.cli.progress import Progress
 
+    bars: list[Progress] = []
+
+    def progress(i: int, total: int, name: str) -> None:
+        if not bars:
+            bars.append(Progress("audit", total, json_output=args.json, unit="module"))
+        bars[0](name)
+
+    try:
+        return audit_path(args.path, base=args.base, config=args.config, device=args.device, progress=progress,
+                          keep_arrays=bool(args.report))
+    except AuditInputError as exc:
+        for line in exc.lines:
+            print(f"{PROG}: {line}", file=sys.stderr)
+        return 2
+    finally:
+        for bar in bars:
+            bar.done()
+
+
+def _run(args) -> int:
     if args.make_sample:
         from doracheck.cli.sample_cmd import make
 
@@ -132,32 +166,20 @@ def run(args) -> int:
     if problem:
         print(f"{PROG}: {problem}", file=sys.stderr)
         return 2
-    bars: list[Progress] = []
-
-    def progress(i: int, total: int, name: str) -> None:
-        if not bars:
-            bars.append(Progress("audit", total, json_output=args.json, unit="module"))
-        bars[0](name)
-
-    try:
-        report = audit_path(args.path, base=args.base, config=args.config, device=args.device, progress=progress,
-                            keep_arrays=bool(args.report))
-    except AuditInputError as exc:
-        for line in exc.lines:
-            print(f"{PROG}: {line}", file=sys.stderr)
-        return 2
-    finally:
-        for bar in bars:
-            bar.done()
+    report = _audit(args)
+    if isinstance(report, int):
+        return report
     if args.json:
         print(json.dumps(_finite_json(report.as_dict()), indent=2, allow_nan=False))
     else:
         print_text(report, args.verbose)
     if args.report:
+        from doracheck.cli.html_report import write_error
+
         try:
             _write_report(report, args.report, args.json)
         except OSError as exc:
-            print(f"{PROG}: --report {args.report}: cannot write: {exc.strerror or exc}", file=sys.stderr)
+            print(f"{PROG}: {write_error(args.report, exc)}", file=sys.stderr)
             return 2
         if not args.json:
             print(f"report: {args.report}")
@@ -173,7 +195,8 @@ def add_parser(sub) -> None:
         description="Audit a PEFT (or kohya/LyCORIS) DoRA adapter saved as safetensors: structure, finite values, "
         "magnitudes, and with --base the norms, the scale g = m/n, 16-bit collapse, overflow headroom and merge error. "
         "Reads only safetensors (never unpickles); one module in memory at a time. "
-        "Exit 0 no errors, 1 errors (--strict: warnings too), 2 unusable input. Try it: doracheck sample DIR.",
+        "Exit 0 no errors, 1 errors (--strict: warnings too), 2 unusable input, 130 interrupted. "
+        "Try it: doracheck sample DIR.",
     )
     p.add_argument("path", metavar="PATH", help="adapter_model.safetensors, a folder holding it (PEFT's save_pretrained), or any "
                    "safetensors file with DoRA tensors")
@@ -184,7 +207,8 @@ def add_parser(sub) -> None:
     p.add_argument("--verbose", "-v", action="store_true",
                    help="also list info-level findings (norm terms, g statistics, 16-bit collapse, merge error per module)")
     p.add_argument("--report", metavar="FILE.html", help="also write a self-contained HTML report with the table, the legend, "
-                   "the findings and per-module plots (needs matplotlib)")
+                   "the findings and per-module plots (needs matplotlib). Only a new file or an earlier doracheck report "
+                   "is written; any other existing file is refused before the audit")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the norms are computed (default auto: cuda when available)")
     p.add_argument("--strict", action="store_true", help="exit 1 on warnings too, and on a plain LoRA adapter (no DoRA magnitudes)")

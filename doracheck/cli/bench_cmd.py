@@ -15,13 +15,16 @@ mode): every candidate variant's predicted ms (the cost model's, for an H200, wh
 device is) and measured ms, the variant the cost model picks and the fastest measured one;
 the summary says in how many rows the pick is within 5% of the fastest. ``--timed`` adds the
 choice of the planner's timing mode, made from its own measurement and judged on the row's.
-Exit 0, 2 on bad arguments (or an unwritable --csv, or out of memory), 130 when interrupted.
+``--csv FILE`` gets the rows as they are measured: an existing FILE is replaced only once the
+first row exists (written through a temporary file in its folder), so a run that measures
+nothing leaves it as it was; a FILE that exists and is not a regular file is refused.
+Exit 0, 2 on bad arguments (or an unwritable --csv, or out of memory on the GPU or the host: one
+line naming the row), 130 when interrupted (the rows measured stay in the CSV file).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 GPU_SHAPES = "4096x4096r16,4096x4096r128,8192x8192r384,4096x14336r384,14336x4096r384"
@@ -55,7 +58,7 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table (a progress bar on a terminal)")
     p.add_argument("--csv", metavar="FILE",
                    help="also write the rows to FILE as they are measured: device, versions, shape, dtype, mode, "
-                        "median, p10 and p90 ms")
+                        "median, p10 and p90 ms (an existing FILE is replaced once the first row is measured)")
     p.set_defaults(run=run)
 
 
@@ -159,12 +162,11 @@ def run(args) -> int:
 def _run(args) -> int:
     import torch
 
-    from doracheck import planner
-    from doracheck.measure import CsvRows, versions
+    from doracheck.measure import CsvRows
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        shapes, tokens, dtypes, modes = _parse(args, device.type == "cuda")
+        parsed = _parse(args, device.type == "cuda")
     except ValueError as exc:
         print(f"doracheck bench: {exc}", file=sys.stderr)
         return 2
@@ -173,6 +175,20 @@ def _run(args) -> int:
     except OSError as exc:
         print(f"doracheck bench: --csv: cannot write {args.csv}: {exc.strerror or exc}", file=sys.stderr)
         return 2
+    try:
+        return _bench(args, device, parsed, csv_rows)
+    finally:  # every way out, Ctrl-C and a closed stdout included: rows kept, or an existing file untouched
+        if csv_rows is not None:
+            csv_rows.close()
+
+
+def _bench(args, device, parsed, csv_rows) -> int:
+    import torch
+
+    from doracheck import planner
+    from doracheck.measure import versions
+
+    shapes, tokens, dtypes, modes = parsed
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     torch_dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     configs = [(s, T, torch_dtypes[dt], mode) for s in shapes for T in tokens for dt in dtypes for mode in modes]
@@ -197,50 +213,65 @@ def _run(args) -> int:
     return _finish(args, name, rows)
 
 
-def _measure_rows(args, device, name: str, configs, columns: Columns, csv_rows, rows: list[dict]) -> int | None:
-    """Measure, print and write each row as it comes; an exit code if the run stops early."""
+def _out_of_memory(exc: BaseException) -> bool:
+    """A CUDA or host allocation failure (torch raises RuntimeError for the CPU's)."""
     import torch
 
+    if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("can't allocate" in text or "out of memory" in text)
+
+
+def _measure_rows(args, device, name: str, configs, columns: Columns, csv_rows, rows: list[dict]) -> int | None:
+    """Measure, print and write each row as it comes; an exit code if the run stops early."""
     from doracheck.cli.progress import Progress
     from doracheck.cli.verify_cmd import interrupted
-    from doracheck.measure import bench_row
 
-    # bench's bar: on a terminal with --json only (without it, the table's lines show the progress)
-    progress = Progress("bench", len(configs), json_output=not args.json, unit="row")
-    what = ""
+    # bench's bar: on a terminal under --json only; without it, the table's lines show the progress
+    progress = Progress("bench", len(configs), unit="row", draw=args.json)
     try:
-        for (d_in, d_out, r), T, dt, mode in configs:
-            what = f"{d_in}x{d_out} r{r} T{T} {str(dt).removeprefix('torch.')} {mode}"
-            row = bench_row(device, name, d_in, d_out, r, T, dt, mode, args.reps, with_plan=args.plan, timed=args.timed)
-            rows.append(row)
-            if csv_rows is not None:
-                csv_rows.write(row)
-            if not args.json:
-                print("\n".join(row_lines(row, columns, args.plan)), flush=True)
-            progress(what)
+        return _rows(args, device, name, configs, columns, csv_rows, rows, progress)
     except KeyboardInterrupt:
         progress.done()
-        note = _close_csv(args, csv_rows, rows)
-        return interrupted("bench", note)
-    except torch.cuda.OutOfMemoryError:
+        return interrupted("bench", _csv_note(args, csv_rows))
+    finally:
         progress.done()
-        note = _close_csv(args, csv_rows, rows)
-        print(f"doracheck bench: out of memory at {what} on {name}; try smaller --shapes or --tokens{note}", file=sys.stderr)
-        return 2
-    progress.done()
-    _close_csv(args, csv_rows, rows)
+
+
+def _rows(args, device, name: str, configs, columns: Columns, csv_rows, rows: list[dict], progress) -> int | None:
+    from doracheck.measure import bench_row
+
+    what = ""
+    for (d_in, d_out, r), T, dt, mode in configs:
+        what = f"{d_in}x{d_out} r{r} T{T} {str(dt).removeprefix('torch.')} {mode}"
+        try:
+            row = bench_row(device, name, d_in, d_out, r, T, dt, mode, args.reps, with_plan=args.plan, timed=args.timed)
+        except (MemoryError, RuntimeError) as exc:
+            if not _out_of_memory(exc):
+                raise
+            print(f"doracheck bench: out of memory at {what} on {name}; try smaller --shapes or --tokens"
+                  f"{_csv_note(args, csv_rows)}", file=sys.stderr)
+            return 2
+        rows.append(row)
+        if csv_rows is not None:
+            try:
+                csv_rows.write(row)
+            except OSError as exc:
+                print(f"doracheck bench: --csv: cannot write {args.csv}: {exc.strerror or exc}", file=sys.stderr)
+                return 2
+        if not args.json:
+            print("\n".join(row_lines(row, columns, args.plan)), flush=True)
+        progress(what)
     return None
 
 
-def _close_csv(args, csv_rows, rows: list[dict]) -> str:
-    """Close the CSV file; where no row was measured, remove it again. The note for a cut-short run."""
-    if csv_rows is None:
+def _csv_note(args, csv_rows) -> str:
+    """For a run cut short: where the rows measured so far are (the CSV file gets them as they
+    come; without a row, an existing file is as it was)."""
+    if csv_rows is None or not csv_rows.rows:
         return ""
-    csv_rows.close()
-    if not rows:
-        os.remove(args.csv)
-        return ""
-    return f"; the {len(rows)} rows measured are in {args.csv}"
+    return f"; the {csv_rows.rows} rows measured are in {args.csv}"
 
 
 def _finish(args, name: str, rows: list[dict]) -> int:

@@ -2,13 +2,23 @@
 inline as SVG made with matplotlib (the optional ``report`` extra), no network at view time.
 
 ``Report`` collects sections of headings, tables, paragraphs and figures; ``write(path)``
-writes the file. ``matplotlib_or_none`` gives the library or the one-line reason it is missing.
+writes the file through a temporary file in the same folder, moved into place at the end, so a
+run cut short leaves no half-written report. ``matplotlib_or_none`` gives the library or the
+one-line reason it is missing.
+
+A report never replaces a user's file: ``target_problem(path)`` (checked before a command does
+any work, and again just before the move) refuses a name without an .html/.htm suffix, a
+folder, a missing or read-only folder, and an existing file that is not an HTML report written
+by doracheck (it starts with ``<!DOCTYPE html>`` and holds ``GENERATOR``). Only such a report,
+an earlier run's, is overwritten.
 """
 
 from __future__ import annotations
 
 import html
 import io
+import os
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +26,57 @@ _STYLE = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1100px;co
 table{border-collapse:collapse;margin:0.5em 0 1em}td,th{border:1px solid #ccc;padding:2px 8px;font-size:13px;text-align:left}
 th{background:#f3f3f3}.fail{color:#b00020;font-weight:600}.warn{color:#a65e00}.ok{color:#1b7e28}
 h2{border-bottom:1px solid #ddd;padding-bottom:4px}figure{margin:0.5em 0}p.legend{font-size:13px;color:#555}"""
+GENERATOR = '<meta name="generator" content="doracheck">'
+SUFFIXES = (".html", ".htm")
+_SNIFF_BYTES = 4096  # the doctype and GENERATOR come first in every report doracheck writes
+
+
+class TargetRefused(OSError):
+    """``target_problem`` objected at write time (the one-line reason is ``str(exc)``)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def write_error(path: str, exc: OSError) -> str:
+    """The one line (without the command's prefix) for a report that could not be written."""
+    if isinstance(exc, TargetRefused):
+        return f"--report: {exc}"
+    return f"--report: cannot write {path}: {exc.strerror or exc}"
+
+
+def _ours(path: str) -> bool:
+    """Whether the existing file at ``path`` is an HTML report doracheck wrote."""
+    with open(path, "rb") as f:
+        head = f.read(_SNIFF_BYTES)
+    return head.startswith(b"<!DOCTYPE html>") and GENERATOR.encode() in head
+
+
+def target_problem(path: str) -> str | None:
+    """Why an HTML report cannot be written to ``path`` (one line, without the command's
+    prefix), or None. Refuses anything but a new file or an earlier doracheck report."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        if os.path.isdir(path):
+            return f"{path} is a folder; give a file name such as report.html"
+        if not path.lower().endswith(SUFFIXES):
+            return f"{path}: the report is an HTML file; give a name ending in .html"
+        if not os.path.isdir(folder):
+            return f"cannot write {path}: no such folder {folder}"
+        if not os.access(folder, os.W_OK):
+            return f"cannot write {path}: the folder {folder} is not writable"
+        try:
+            os.lstat(path)  # other errors than "no such file" (a name too long, no access) are reported
+        except FileNotFoundError:
+            return None
+        if not os.path.isfile(path):
+            return f"cannot write {path}: it exists and is not a regular file"
+        if not _ours(path):
+            return (f"{path} exists and is not an HTML report written by doracheck; it is left alone "
+                    "(remove it or choose another name)")
+    except OSError as exc:
+        return f"cannot write {path}: {exc.strerror or exc}"
+    return None
 
 
 def matplotlib_or_none() -> tuple[Any, str | None]:
@@ -63,9 +124,39 @@ class Report:
         self._parts.append(f"<figure>{svg}{cap}</figure>")
 
     def render(self) -> str:
-        return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(self.title)}</title>"
+        return (f"<!DOCTYPE html><html><head><meta charset='utf-8'>{GENERATOR}<title>{html.escape(self.title)}</title>"
                 f"<style>{_STYLE}</style></head><body><h1>{html.escape(self.title)}</h1>{''.join(self._parts)}</body></html>\n")
 
     def write(self, path: str) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(self.render())
+        """Write the report to ``path`` through a temporary file in the same folder, moved into
+        place only when complete; raises OSError when ``target_problem`` objects (now) or the
+        write fails, leaving ``path`` as it was."""
+        replace_file(path, self.render().encode("utf-8"))
+
+
+def _file_mode() -> int:
+    """The mode a new file gets here (0o666 less the umask)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def replace_file(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in its folder and ``os.replace``,
+    after checking ``target_problem`` again (the file may have appeared meanwhile)."""
+    problem = target_problem(path)
+    if problem:
+        raise TargetRefused(problem)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, _file_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise

@@ -1,4 +1,6 @@
-"""``doracheck`` entry point. Exit codes: 0 all good, 1 findings or failed checks, 2 bad usage/input."""
+"""``doracheck`` entry point. Exit codes: 0 all good, 1 findings or failed checks, 2 bad usage or
+unusable input (one line on stderr, never a traceback), 130 interrupted (Ctrl-C, one line), 141
+when the reader of stdout left (``doracheck ... | head``: a quiet stop, as a shell tool does)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import sys
 
 from . import audit_cmd, bench_cmd, calibrate_cmd, env_cmd, sample_cmd, verify_cmd
 
-EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+EXIT_USAGE = 2
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,7 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.run(args))
+    try:
+        return int(args.run(args))
+    except KeyboardInterrupt:  # the long commands report their own; this covers the rest (env, imports)
+        return verify_cmd.interrupted(args.command)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
-"""Progress bars for the long commands (audit, verify, calibrate), with tqdm.
+"""Progress bars for the long commands (audit, verify, calibrate, bench), with tqdm.
 
-A bar is drawn on stderr only when stderr is a terminal, the command was not asked for
-``--json``, and no ``CI`` environment variable is set; otherwise the bar is disabled and costs
-nothing, so logs, pipes and machine output get only the results.
+A bar is drawn on stderr only when stderr is a terminal and no ``CI`` environment variable is
+set, and only where the command has nothing else to show while it works: audit, verify and
+calibrate draw one unless asked for ``--json``; bench draws one only under ``--json`` (its
+table prints each row as it is measured, which is its progress; its JSON comes at the end).
+Otherwise the bar is disabled and costs nothing, so logs, pipes and machine output on stdout
+get only the results.
 """
 
 from __future__ import annotations
@@ -13,16 +16,20 @@ import sys
 from tqdm import tqdm
 
 
-def bars_wanted(json_output: bool) -> bool:
-    return not json_output and sys.stderr.isatty() and not os.environ.get("CI")
+def bars_wanted(json_output: bool = False, draw: bool = True) -> bool:
+    """Whether to draw: the command wants a bar (``draw``, and not ``json_output``), stderr is a
+    terminal and ``CI`` is not set."""
+    return draw and not json_output and sys.stderr.isatty() and not os.environ.get("CI")
 
 
 class Progress:
-    """``progress(message)`` advances one step and shows the message; ``done()`` clears the bar."""
+    """``progress(message)`` advances one step and shows the message; ``done()`` clears the bar.
+    ``json_output``: the command was asked for --json (no bar); ``draw=False``: the command
+    shows its progress otherwise (bench's table)."""
 
-    def __init__(self, command: str, total: int, *, json_output: bool = False, unit: str = "step"):
+    def __init__(self, command: str, total: int, *, json_output: bool = False, unit: str = "step", draw: bool = True):
         self._bar = tqdm(total=max(total, 1), desc=command, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True,
-                         disable=not bars_wanted(json_output))
+                         disable=not bars_wanted(json_output, draw))
 
     def __call__(self, message: str = "") -> None:
         if message:

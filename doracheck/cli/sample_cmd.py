@@ -5,8 +5,10 @@ adapter_config.json (PEFT's format: 4 modules, r = 8, lora_alpha = 16) and
 base_model.safetensors. Nothing is ever overwritten: if any of the three files exists, nothing
 is written. Prints what it wrote and the audit command to run next.
 
-Exit codes: 0 written; 2 unusable PATH (a file, an existing sample file, not writable), as one
-line on stderr naming the path.
+Exit codes: 0 written; 2 unusable PATH (a file, an existing sample file, not writable or not
+readable), as one line on stderr naming the path; 130 interrupted (Ctrl-C). A write that fails
+or is interrupted removes what this run wrote (the files, and the folder if it made it) and
+nothing else.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ def make(path: str, fresh: bool, command: str = "doracheck sample") -> int:
 
 
 def run(args) -> int:
-    return make(args.path, args.fresh)
+    from doracheck.cli.verify_cmd import guarded
+
+    return guarded("sample", lambda a: make(a.path, a.fresh), args)
 
 
 def add_parser(sub) -> None:

@@ -5,7 +5,9 @@ n/a. Exit 0 if every property passes (n/a counts as passing: the implementation 
 piece), 1 if any fails, 2 for bad usage (an unknown dtype, an --impl that cannot be loaded, a
 --report that cannot be written or made) and for an implementation on which nothing could be
 checked (n/a everywhere): no false comfort; 130 when interrupted (Ctrl-C). ``--report FILE``
-also writes one self-contained HTML file: the table and a chart of the margins.
+also writes one self-contained HTML file: the table and a chart of the margins. FILE must end in
+.html and be new or an earlier doracheck report: any other existing file is left alone (exit 2,
+checked before the suite runs).
 """
 
 from __future__ import annotations
@@ -100,21 +102,16 @@ def format_table(results) -> str:
 
 
 def report_problem(path: str) -> str | None:
-    """Why ``--report path`` cannot be made (matplotlib missing, no such folder), or None;
-    checked before the suite runs, so that a long run does not end in an unwritable report."""
-    from doracheck.cli.html_report import matplotlib_or_none
+    """Why ``--report path`` cannot be made (matplotlib missing, no such folder, an existing file
+    that is not an earlier doracheck report), or None; checked before the suite runs, so that a
+    long run does not end in an unwritable report (``html_report.target_problem``)."""
+    from doracheck.cli.html_report import matplotlib_or_none, target_problem
 
     plt, why = matplotlib_or_none()
     if plt is None:
         return f"--report: {why}"
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        return f"--report: {path} is a folder; give a file name such as report.html"
-    if not os.path.isdir(folder):
-        return f"--report: cannot write {path}: no such folder {folder}"
-    if not os.access(folder, os.W_OK):
-        return f"--report: cannot write {path}: the folder {folder} is not writable"
-    return None
+    problem = target_problem(path)
+    return f"--report: {problem}" if problem else None
 
 
 def margin_figure(plt, results):
@@ -141,7 +138,7 @@ def margin_figure(plt, results):
     ys = list(range(len(rows)))
     ax.barh(ys, values, color=colors, height=0.7)
     ax.set_yticks(ys)
-    ax.set_yticklabels([f"{r.prop} [{r.dtype}]" for r in rows], fontsize=7)
+    ax.set_yticklabels([f"{r.prop} [{r.dtype}]" for r in rows], fontsize=7, parse_math=False)
     ax.invert_yaxis()
     ax.axvline(0.0, color="#333", linewidth=0.9)
     for y, (v, note) in enumerate(zip(values, notes)):
@@ -216,7 +213,9 @@ def _run(args) -> int:
         try:
             write_report(args.report, results, header, verdict, bool(failed or nothing))
         except OSError as exc:
-            print(f"doracheck verify: --report: cannot write {args.report}: {exc.strerror or exc}", file=sys.stderr)
+            from doracheck.cli.html_report import write_error
+
+            print(f"doracheck verify: {write_error(args.report, exc)}", file=sys.stderr)
             return 2
     if args.json:
         doc = {**header, "passed": not failed and not nothing, "seconds": round(elapsed, 2)}
@@ -261,7 +260,8 @@ def add_parser(sub) -> None:
                         "problem kinds and fan_in_fan_out (default: quick)")
     p.add_argument("--quick", action="store_true", help="same as --profile quick")
     p.add_argument("--json", action="store_true", help="print one JSON object (every result with its margin) instead of the table")
-    p.add_argument("--report", metavar="FILE",
-                   help="also write a self-contained HTML report to FILE: the table and a chart of the margins "
-                        "(needs matplotlib: pip install 'doracheck[report]'); combines with --json")
+    p.add_argument("--report", metavar="FILE.html",
+                   help="also write a self-contained HTML report to FILE.html: the table and a chart of the margins "
+                        "(needs matplotlib: pip install 'doracheck[report]'); combines with --json. Only a new file or "
+                        "an earlier doracheck report is written; any other existing file is refused")
     p.set_defaults(run=run)
