@@ -75,8 +75,11 @@ def note_backward() -> None:
 
 
 def _compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return compiler is not None and compiler.is_compiling()
+    """torch.compile, export or make_fx tracing (fake, proxy or functional tensors have no data
+    pointer to fingerprint, and a traced value must not be kept for eager calls)."""
+    from doracheck.kernels.tracing import tracing
+
+    return tracing()
 
 
 def _in_backward() -> bool:
