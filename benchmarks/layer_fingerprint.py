@@ -8,9 +8,9 @@ change a single bit (a refactor): both recordings on the same machine, path and 
 
 The grid: dora_linear in fp32/bf16/fp16 (fp64 on the torch path) with and without bias,
 dropout (a fixed keep-mask), the exact norm gradient, every planner variant, a token-chunked
-backward (chunks forced small) and a zero magnitude entry; and dora_from_base (the PEFT path)
+backward (chunks forced small) and a zero magnitude entry; dora_from_base (the PEFT path)
 with one and two adapters, bias, dropout and a zero magnitude entry, each with its no-grad
-forward. NaN equals NaN; a dtype or shape change is a difference.
+forward; and on the torch path mixed precisions (fp64 magnitude, fp64 x, bf16 weights). NaN equals NaN; a dtype or shape change is a difference.
 """
 
 from __future__ import annotations
@@ -90,12 +90,32 @@ def _from_base_cases(dev: str, out: dict) -> None:
         out[("from_base", str(dt), bias, drop, two, zero_m)] = [y, y_infer, *_grads([x, A, B, m, A2, B2, m2])]
 
 
+def _mixed_cases(dev: str, out: dict) -> None:
+    """Mixed precision: fp64 magnitude with fp32 operands, fp64 x with fp32 weights, fp32 x
+    with bf16 weights (the torch path; the accumulation rule decides these)."""
+    for mix in ("m64", "x64", "w16"):
+        for bias in (False, True):
+            x, W, A, B, m, b, dy, _ = _problem(dev, torch.float32, bias=bias)
+            if mix == "m64":
+                m = m.detach().double().requires_grad_()
+            elif mix == "x64":
+                x, dy = x.detach().double().requires_grad_(), dy.double()
+            else:
+                W, A, B = W.bfloat16(), A.detach().bfloat16().requires_grad_(), B.detach().bfloat16().requires_grad_()
+            clear_norm_cache()
+            y = doracheck.dora_linear(x, W, A, B, m, 1.7, b)
+            y.backward(dy.to(y.dtype))
+            out[("mixed", mix, bias)] = [y, *_grads([x, A, B, m, b])]
+
+
 def record(path: str, dev: str) -> dict:
     """{case key: [y, no-grad y, gradients...]} on the CPU, for ``path`` ("torch" or "triton")."""
     out: dict = {}
     with use_path(path):
         _linear_cases(path, dev, out)
         _from_base_cases(dev, out)
+        if path == "torch":
+            _mixed_cases(dev, out)
     return {k: [None if t is None else t.detach().cpu() for t in v] for k, v in out.items()}
 
 

@@ -16,6 +16,7 @@ import torch
 from . import backward as backward_pass
 from . import dispatch, norm_cache
 from . import forward as forward_pass
+from .kernels.compose_torch import accumulation_dtype
 from .kernels.tracing import tracing
 from .layer_state import SAVED_TENSORS, LayerArgs, Need, Saved
 from .numerics import autocast_dtype, our_numerics
@@ -141,7 +142,7 @@ def _through_result(dy2: torch.Tensor, saved: Saved, db: torch.Tensor | None):
     ∂y/∂result = g (saturated as dz is where n < eps, g up to m/1e-12) and ∂y/∂b = 1 - g."""
     if saved.keep is not None:
         return dy2, None if db is None else torch.zeros_like(db)
-    acc = saved.n.dtype
+    acc = accumulation_dtype(saved.x2, saved.g)
     d_result = backward_pass.saturated(dy2.to(acc) * saved.g, dy2.dtype)
     if db is not None:  # Σ_t (1-g)⊙dy
         db = (db.to(acc) - d_result.to(acc).sum(0)).to(db.dtype)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .forward import dropped, in_dtype, rows
+from .kernels.compose_torch import accumulation_dtype
 from .kernels.constants import EPS
 from .kernels.settings import NORM_CHUNK_BYTES, backward_token_chunk
 from .layer_state import Grads, LayerArgs, Need, Saved
@@ -116,6 +117,11 @@ class _Pass:
     dm_parts: list = field(default_factory=list)
 
     @property
+    def acc(self) -> torch.dtype:
+        """The accumulation dtype: fp64 where x or g (m, n) is fp64, else fp32 (docs/design.md section 2)."""
+        return accumulation_dtype(self.saved.x2, self.saved.g)
+
+    @property
     def chunked(self) -> bool:
         return self.step < self.dy2.shape[0]
 
@@ -167,7 +173,7 @@ def _dx_chunk(p: _Pass, t0: int, t1: int, dz: torch.Tensor, dy_c: torch.Tensor, 
     elif keep_c is None:
         torch.addmm(_zero_scalar(out), p.dzB, p.A, beta=0, alpha=s, out=out)
     else:
-        gm1_dy = (dy_c.to(p.saved.n.dtype) * (g - 1.0)).to(dy_c.dtype)
+        gm1_dy = (dy_c.to(p.acc) * (g - 1.0)).to(dy_c.dtype)
         dropped_part = torch.addmm(gm1_dy @ p.W, p.dzB, p.A, alpha=s).mul_(keep_c)
         if p.base_in_dx:
             torch.mm(dy_c, p.W, out=out)
@@ -210,9 +216,9 @@ def _chunk(p: _Pass, t0: int, t1: int) -> None:
             p.dB = _scaled_mm(dz.t(), p.xa, a.scaling)
         else:
             part = dz.t() @ p.xa[t0:t1]
-            p.dB = part.to(sv.n.dtype) if p.dB is None else p.dB.add_(part)
+            p.dB = part.to(p.acc) if p.dB is None else p.dB.add_(part)
     if need.dW:
-        acc = sv.n.dtype
+        acc = p.acc
         if keep_c is None:
             part = dz.to(acc).t() @ x_c.to(acc)
         else:
@@ -230,7 +236,7 @@ def _dm(p: _Pass) -> tuple[Any, Any]:
     if a.detach_norm:  # the kernel finished dm (the common case: fewest host ops)
         dm = p.dm_sum if p.need.dm else None
     else:
-        raw = p.dm_sum.to(sv.n.dtype)  # Σ dy⊙(g⊙z) from the output, Σ dy⊙z otherwise
+        raw = p.dm_sum.to(p.acc)  # Σ dy⊙(g⊙z) from the output, Σ dy⊙z otherwise
         p.dm_sum = _sum_of_z(raw, sv.g, sv.n, sv.from_output)
         dm = p.dm_sum / sv.n_safe if p.need.dm else None
     T, d_out = p.dy2.shape
@@ -255,7 +261,7 @@ def _exact_norm_terms(p: _Pass, raw: Any, dA, dB, dW_rows):
     """The gradient through n (``detach_norm=False``): c_i = (∂L/∂n_i)/n_i with
     ∂L/∂n_i = -S_i·m_i/n_i² where n_i > eps (g is flat in n below eps)."""
     sv, a = p.saved, p.a
-    acc, n, n_safe, s = sv.n.dtype, sv.n, sv.n_safe, a.scaling
+    acc, n, n_safe, s = p.acc, sv.n, sv.n_safe, a.scaling
     # From the output, S·m = raw·max(n, eps) (g = m / max(n, eps)): c = -raw / n², no division by g.
     num = raw * n_safe if sv.from_output else p.dm_sum * a.magnitude.to(acc)
     c = torch.where(n > EPS, -num / (n_safe * n_safe * n_safe), torch.zeros_like(n))
@@ -281,7 +287,7 @@ def layer_backward(saved: Saved, dy: torch.Tensor, a: LayerArgs, lead: tuple, ne
     gradient reaches x through ``result`` instead."""
     p = _setup(saved, dy, a, need, base_in_dx)
     T, d_out = p.dy2.shape
-    acc, dev, d_in, r = saved.n.dtype, saved.x2.device, saved.x2.shape[1], p.A.shape[0]
+    acc, dev, d_in, r = p.acc, saved.x2.device, saved.x2.shape[1], p.A.shape[0]
     _prescale(p)
     for t0 in range(0, T, p.step):
         _chunk(p, t0, min(T, t0 + p.step))

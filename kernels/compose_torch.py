@@ -29,7 +29,7 @@ def compose_torch(
     ``base``, ``lora``, ``base_dropped``: (T, d_out); ``g``: fp32 (d_out,); ``bias``: (d_out,).
     ``out`` may alias ``base`` (in place).
     """
-    f32 = torch.float64 if base.dtype == torch.float64 else torch.float32
+    f32 = accumulation_dtype(base, g)
     gf = g.to(f32)
     base32 = base.to(f32)
     if base_dropped is None:
@@ -51,8 +51,10 @@ def magnitude_scale(magnitude: torch.Tensor, n_safe: torch.Tensor) -> torch.Tens
     return torch.div(magnitude, n_safe)
 
 
-def _acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """fp32, or fp64 where any input is fp64 (gradcheck)."""
+def accumulation_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The layer's one accumulation rule: fp64 where any of the given operands is fp64
+    (gradcheck, mixed fp64 magnitudes), else fp32. The layer asks it with x (the compute dtype)
+    and g = m / max(n, eps) (which carries the dtypes of m and of the norm)."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
@@ -69,7 +71,7 @@ def lora_up_compose_torch(
     """The torch twin of the fused up-projection + compose (no dropout): (y, z) with
     z = base [- b] + s·xa·Bᵀ and y = g⊙z + b in fp32 (fp64 for fp64), each rounded once to
     base.dtype. ``base_has_bias``: base is x·Wᵀ + b (a PEFT base layer's output)."""
-    acc = _acc_dtype(base, g)
+    acc = accumulation_dtype(base, g)
     lora = _lora_up(xa, lora_B, acc, base.dtype)
     base_acc = base.to(acc)
     if base_has_bias and bias is not None:
@@ -87,7 +89,7 @@ def lora_up_compose_dropout_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch twin of the dropout compose: (y, z_d) with y = base + b + (g-1)⊙base_d +
     g⊙s⊙lora_d and z_d = base_d + s·lora_d (lora_d = x_d·Aᵀ·Bᵀ), fp32 math, rounded once."""
-    acc = _acc_dtype(base, g)
+    acc = accumulation_dtype(base, g)
     lora = _lora_up(xa, lora_B, acc, base.dtype)
     base_d = base_dropped.to(acc)
     y = base.to(acc) + (g - 1.0) * base_d + (g * scaling) * lora
@@ -107,7 +109,7 @@ def grad_scale_dm_torch(
     With ``final_dm``, S is dm = Σ_t dy⊙z / max(n, eps) (0 where g = 0 and n < eps, NaN where
     g = 0 and n >= eps when ``from_output``: z is not recoverable there). ``reduce=False``
     returns S as one row of partials (1, d_out), as the Triton kernel's unsummed form."""
-    acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(dy, g)
     dy_acc = dy.to(acc)
     dz = dy_acc * g.to(acc)
     limit = torch.finfo(dy.dtype).max
@@ -137,7 +139,7 @@ def dm_lost_rows_torch(
     """The torch twin of ``lost_rows_triton.dm_lost_rows_triton``: dm_i = Σ_t dy_ti·z_ti /
     max(n_i, eps) recomputed from x, W, xa, B where g_i = 0 and n_i >= eps (z_i is not
     recoverable from the output there); other entries unchanged."""
-    acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(dy, g)
     lost = ((g == 0) & (n >= EPS)).nonzero().squeeze(1)
     result = out if out is not None else dm.clone()
     if lost.numel() == 0 or dy.shape[0] == 0:

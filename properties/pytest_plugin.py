@@ -1,5 +1,5 @@
-"""doracheck's conformance suite as a pytest plugin (registered as the ``pytest11`` entry point
-``doracheck``; inert unless ``--doracheck-impl`` is given).
+"""doracheck's conformance suite as a pytest plugin: registered by the ``pytest11`` entry module
+``pytest_doracheck`` (which holds the options) only when ``--doracheck-impl`` is given.
 
     pytest --doracheck-impl MODULE:CALLABLE [--doracheck-profile quick|full]
            [--doracheck-dtype bf16,fp16,fp32] [--doracheck-variant NAME] [-n auto] [-k compose]
@@ -15,6 +15,10 @@ same items and a run on one GPU and on two gives the same verdicts.
 
 Aliases for ``--doracheck-impl``: ``doracheck`` (also ``doracheck:dora_linear``), ``torch``,
 ``peft`` (also ``doracheck.properties.impl_peft:peft_dora_linear``), ``doracheck@VARIANT``.
+
+Items join the session in ``pytest_collection_modifyitems`` (first among its hooks), so ``-k``,
+``-m``, ``--deselect``, ``--lf`` and xdist apply to them; select one by ``-k`` (it has no file to
+name on the command line).
 """
 
 from __future__ import annotations
@@ -23,25 +27,29 @@ import os
 
 import pytest
 
-_OPTIONS = ("doracheck_impl", "doracheck_profile", "doracheck_dtype", "doracheck_variant")
+DTYPES = ("fp32", "bf16", "fp16")
 
 
-def pytest_addoption(parser) -> None:
-    group = parser.getgroup("doracheck", "doracheck conformance suite")
-    group.addoption("--doracheck-impl", metavar="SPEC",
-                    help="run doracheck's property suite against SPEC: MODULE:CALLABLE with dora_linear's signature, or "
-                         "doracheck | torch | peft | doracheck@VARIANT")
-    group.addoption("--doracheck-profile", choices=("quick", "full"), default="quick",
-                    help="quick (one seed per shape) or full (4 seeds, larger shapes, hard kinds); default quick")
-    group.addoption("--doracheck-dtype", default="fp32,bf16,fp16", metavar="LIST",
-                    help="comma list of fp32, bf16, fp16 (default all three)")
-    group.addoption("--doracheck-variant", metavar="NAME",
-                    help="force doracheck's planner variant (e.g. merged+whole) while the items run")
+def check_options(config) -> None:
+    """Usage errors before anything runs: a bad dtype list or variant is one line, exit 4."""
+    dtypes = [d.strip() for d in config.getoption("doracheck_dtype").split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad or not dtypes:
+        raise pytest.UsageError(f"--doracheck-dtype: expected a comma list of fp32, bf16, fp16, got {config.getoption('doracheck_dtype')!r}")
+    variant = config.getoption("doracheck_variant")
+    if variant:
+        if config.getoption("doracheck_impl") not in ("doracheck", "doracheck:dora_linear"):
+            raise pytest.UsageError("--doracheck-variant applies to doracheck's own layer: use it with --doracheck-impl doracheck")
+        from doracheck.planner import parse_variant
+
+        try:
+            parse_variant(variant)
+        except ValueError as exc:
+            raise pytest.UsageError(f"--doracheck-variant: {exc}") from None
 
 
 def pytest_configure(config) -> None:
-    if not config.getoption("doracheck_impl"):
-        return
+    """Registered by the entry module only when --doracheck-impl is given."""
     config.addinivalue_line("markers", "doracheck: an item of doracheck's conformance suite")
     import torch
 
@@ -51,6 +59,12 @@ def pytest_configure(config) -> None:
         gpu = gpu_for_worker(os.environ.get("PYTEST_XDIST_WORKER"), torch.cuda.device_count())
         if gpu is not None:
             torch.cuda.set_device(gpu)
+
+
+def _spec(config) -> str:
+    """The implementation spec, with --doracheck-variant folded in as verify's doracheck@VARIANT."""
+    spec, variant = config.getoption("doracheck_impl"), config.getoption("doracheck_variant")
+    return f"doracheck@{variant}" if variant else spec
 
 
 def _device() -> str:
@@ -68,18 +82,15 @@ class DoracheckSuite(pytest.Collector):
         from .suite import suite_items
 
         config = self.config
-        spec = config.getoption("doracheck_impl")
+        spec = _spec(config)
         try:
             impl = resolve(spec)
         except ImplementationError as exc:
             raise self.CollectError(f"--doracheck-impl {spec}: {exc}") from None
-        dtypes = [d.strip() for d in config.getoption("doracheck_dtype").split(",") if d.strip()]
-        bad = [d for d in dtypes if d not in ("fp32", "bf16", "fp16")]
-        if bad or not dtypes:
-            raise self.CollectError(f"--doracheck-dtype: expected a comma list of fp32, bf16, fp16, got {bad or dtypes}")
+        dtypes = list(dict.fromkeys(d.strip() for d in config.getoption("doracheck_dtype").split(",") if d.strip()))
         for item in suite_items(impl, dtypes, config.getoption("doracheck_profile"), _device()):
-            yield DoracheckItem.from_parent(self, name=f"test_doracheck[{item.name}-{item.dtype}]", suite_item=item,
-                                            impl_name=impl.name)
+            name = f"test_doracheck[{item.name}-{item.dtype}]"
+            yield DoracheckItem.from_parent(self, name=name, nodeid=f"doracheck::{name}", suite_item=item, impl_name=impl.name)
 
     class CollectError(Exception):
         pass
@@ -103,18 +114,12 @@ class DoracheckItem(pytest.Item):
         self.results: list = []
 
     def runtest(self) -> None:
-        import contextlib
+        from .unsupported import Unsupported
 
-        from .suite import run_item
-
-        variant = self.config.getoption("doracheck_variant")
-        guard: contextlib.AbstractContextManager = contextlib.nullcontext()
-        if variant:
-            from doracheck.planner import use_variant
-
-            guard = use_variant(variant)
-        with guard:
-            self.results = run_item(self.suite_item)
+        try:  # not run_item: a crash of the implementation keeps its own traceback here
+            self.results = self.suite_item.run()
+        except Unsupported as exc:
+            raise pytest.skip.Exception(f"n/a: {exc}", _use_item_location=True) from None
         for r in self.results:
             self.user_properties.append((f"{r.prop}[{r.dtype}]", f"{r.status} worst={r.worst:.3e} budget={r.budget:.3e}"))
         failed = [r for r in self.results if r.status == "FAIL"]

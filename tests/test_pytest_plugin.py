@@ -42,14 +42,51 @@ def _as_a_user_runs_it(monkeypatch):
 
 
 def _run(pytester, *args):
-    pytester.makepyfile(planted=PLANTED, plain=PLAIN)
+    pytester.makepyfile(planted=PLANTED, plain=PLAIN)  # beside any file a test made
     return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", "-rs", *args)
 
 
 def test_inert_without_the_option(pytester):
+    """Installed, the entry module loads in every pytest run: without --doracheck-impl it imports
+    neither torch nor doracheck (so no optimizer hook, no import time) and adds no items."""
+    pytester.makepyfile(test_user="""
+        import sys
+
+        def test_nothing_of_doracheck_was_imported():
+            assert "torch" not in sys.modules and "doracheck" not in sys.modules
+    """)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
-    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+    result.assert_outcomes(passed=1)
     assert "test_doracheck" not in result.stdout.str()
+
+
+def test_bad_options_are_usage_errors(pytester):
+    variant = _run(pytester, "--doracheck-impl", "doracheck", "--doracheck-variant", "bogus")
+    assert variant.ret == pytest.ExitCode.USAGE_ERROR and "--doracheck-variant" in variant.stderr.str()
+    dtype = _run(pytester, "--doracheck-impl", "doracheck", "--doracheck-dtype", "fp8")
+    assert dtype.ret == pytest.ExitCode.USAGE_ERROR and "--doracheck-dtype" in dtype.stderr.str()
+    alone = _run(pytester, "--doracheck-variant", "merged")
+    assert alone.ret == pytest.ExitCode.USAGE_ERROR
+
+
+def test_last_failed_reruns_exactly_the_failed_items(pytester):
+    pytester.makepyfile(planted=PLANTED)  # with the cache provider: --lf reads it
+    args = ("--doracheck-impl", "planted:wrong_axis", "--doracheck-dtype", "fp32")
+    first = pytester.runpytest_subprocess(*args, "-q", "-k", "accuracy or compose")
+    first.assert_outcomes(failed=2, deselected=8)
+    again = pytester.runpytest_subprocess(*args, "-q", "--lf")  # the 2 failures only, not all 11 items
+    again.assert_outcomes(failed=2, deselected=8)
+
+
+def test_a_crashing_implementation_shows_its_own_traceback(pytester):
+    pytester.makepyfile(crashing="""
+        def dora(*args, **kwargs):
+            raise RuntimeError("boom in the user's kernel")
+    """)
+    result = _run(pytester, "--doracheck-impl", "crashing:dora", "--doracheck-dtype", "fp32", "-k", "accuracy")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    out = result.stdout.str()
+    assert "boom in the user's kernel" in out and "crashing.py" in out
 
 
 def test_doracheck_passes_and_items_are_named_for_k(pytester):
