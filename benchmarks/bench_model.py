@@ -32,7 +32,8 @@ from row_csv import RowWriter
 from doracheck.timing import quantile
 
 
-def build(impl: str, args):
+def build(impl: str, args, checkpointing: bool = True):
+    """The model of ``impl`` (see the module docstring), gradient checkpointing on unless asked."""
     import peft
     import transformers
 
@@ -55,8 +56,9 @@ def build(impl: str, args):
         from doracheck.integrations.peft import enable
 
         enable(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.enable_input_require_grads()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
     return model
 
 

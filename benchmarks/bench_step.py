@@ -30,61 +30,14 @@ import sys
 import time
 
 import torch
-from llama_model import TARGETS, add_llama_args, llama_config
+from bench_model import _sync, build, timed
+from llama_model import add_llama_args
 from row_csv import RowWriter
 
 from doracheck.timing import quantile
 
 IMPLS = ["peft_lora_bf16", "peft_dora_bf16", "peft_dora_fp32", "doracheck_bf16", "doracheck_fp32"]
 MODES = ["eager_gc", "compiled", "decode_eager", "decode_compiled"]
-
-
-def build(impl: str, args, checkpointing: bool):
-    import peft
-    import transformers
-
-    torch.manual_seed(0)
-    config = llama_config(args, args.seq + args.new_tokens + 8)
-    with torch.device(args.device):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    kind, adapter_dtype = impl.rsplit("_", 1)
-    lora = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, use_dora="dora" in kind, target_modules=TARGETS)
-    model = peft.get_peft_model(model, lora, autocast_adapter_dtype=(adapter_dtype == "fp32"))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.01)
-    if kind.startswith("doracheck"):
-        from doracheck.integrations.peft import enable
-
-        enable(model)
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    return model
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed_ms(fn, reps: int, device: str) -> list[float]:
-    """Sorted ms per call: CUDA events on a GPU, the host clock on a CPU (smoke runs only)."""
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)
 
 
 def train_row(impl: str, mode: str, args) -> dict:
@@ -112,7 +65,7 @@ def train_row(impl: str, mode: str, args) -> dict:
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if dev == "cuda" else 0
-    times = timed_ms(step, args.reps, dev)
+    times = sorted(timed(step, args.reps, dev)[1])
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if dev == "cuda" else float("nan")
     return {"value": quantile(times, 0.5), "p20": quantile(times, 0.2), "p80": quantile(times, 0.8), "unit": "ms",
             "peak_gib": round(peak, 3), "first_call_s": round(first_s, 1)}

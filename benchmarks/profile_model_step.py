@@ -18,7 +18,7 @@ import gc
 import json
 
 import torch
-from bench_step import build
+from bench_model import build
 from llama_model import add_llama_args
 from torch.profiler import ProfilerActivity, profile
 

@@ -21,6 +21,7 @@ import torch
 from . import planner
 from .functional import dora_linear
 from .planner import Variant, use_variant
+from .safe_files import install, temp_beside
 from .timing import quantile, time_interleaved
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -170,15 +171,13 @@ class CsvRows:
     def __init__(self, path: str) -> None:
         import errno
         import os
-        import tempfile
 
         self.path = os.path.realpath(path)  # a symlink keeps pointing at the file it names
         self.rows = 0
         if os.path.lexists(self.path) and not os.path.isfile(self.path):
             what = "is a folder" if os.path.isdir(self.path) else "exists and is not a regular file"
             raise OSError(errno.EEXIST, f"{what}; give the name of a new or regular file")
-        folder, name = os.path.split(self.path)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+        fd, tmp = temp_beside(self.path)
         self._tmp: str | None = tmp
         self._file = os.fdopen(fd, "w", newline="")
         self._writer: csv.DictWriter | None = None
@@ -198,20 +197,8 @@ class CsvRows:
             self._writer = csv.DictWriter(self._file, fieldnames=list(flat))
 
     def _replace(self) -> None:
-        import os
-
         tmp, self._tmp = str(self._tmp), None
-        try:
-            umask = os.umask(0o022)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would make a private file of a shared one
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
-            raise
+        install(tmp, self.path)
 
     def close(self) -> None:
         import os

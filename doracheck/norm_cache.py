@@ -44,6 +44,8 @@ from collections import OrderedDict
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from doracheck.kernels.tracing import tracing
+
 MAX_ENTRIES = 4096
 _lock = threading.RLock()  # re-entrant: the weakref callback may run inside a locked section
 _entries: OrderedDict[int, tuple] = OrderedDict()
@@ -77,8 +79,6 @@ def note_backward() -> None:
 def _compiling() -> bool:
     """torch.compile, export or make_fx tracing (fake, proxy or functional tensors have no data
     pointer to fingerprint, and a traced value must not be kept for eager calls)."""
-    from doracheck.kernels.tracing import tracing
-
     return tracing()
 
 

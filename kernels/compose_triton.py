@@ -174,7 +174,7 @@ def lora_up_compose_triton(
     traced = tracing()
     bd = base_dropped if base_dropped is not None else _unused_pointer(base, traced)
     z = z_out if z_out is not None else _unused_pointer(y, traced)
-    launcher(_lora_up_compose_kernel)[grid](
+    launcher(_lora_up_compose_kernel, traced)[grid](
         y, y.stride(0), y.stride(1),
         z, z.stride(0), z.stride(1),
         base, base.stride(0), base.stride(1),
@@ -210,12 +210,13 @@ def grad_scale_dm_triton(
         return dz, zeros if reduce else zeros[None, :]
     part = torch.empty(n_tb, d_out, dtype=torch.float32, device=dy.device)
     grid = (n_tb, triton.cdiv(d_out, cfg.block_d))
-    launcher(_grad_scale_dm_kernel)[grid](
+    traced = tracing()
+    launcher(_grad_scale_dm_kernel, traced)[grid](
         dz, dz.stride(0), dz.stride(1),
         part, part.stride(0),
         dy, dy.stride(0), dy.stride(1),
         saved, saved.stride(0), saved.stride(1),
-        g, n, bias if bias is not None else _unused_pointer(g, tracing()),
+        g, n, bias if bias is not None else _unused_pointer(g, traced),
         T, d_out, EPS,
         FROM_OUTPUT=from_output, HAS_BIAS=bias is not None and from_output, FINAL_DM=final_dm, INTERPRET=interpreting(),
         MAX_OUT=torch.finfo(dy.dtype).max,

@@ -20,9 +20,10 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def launcher(kernel):
-    """``kernel`` itself in eager, ``wrap_triton(kernel)`` while tracing."""
-    return wrap_triton(kernel) if tracing() else kernel
+def launcher(kernel, traced: bool | None = None):
+    """``kernel`` itself in eager, ``wrap_triton(kernel)`` while tracing (``traced``: the
+    caller's own ``tracing()`` answer, so a launch asks it once)."""
+    return wrap_triton(kernel) if (tracing() if traced is None else traced) else kernel
 
 
 @triton.jit

@@ -34,3 +34,17 @@ def snapshot(folder: str | os.PathLike) -> dict[str, bytes]:
     """Every file under ``folder`` with its bytes (to assert that a command changed none)."""
     root = Path(folder)
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def run_clean(args: list[str], cwd: str | os.PathLike, **kwargs) -> subprocess.CompletedProcess:
+    """``run_cli`` that also asserts there is no traceback in its output."""
+    proc = run_cli(args, cwd, **kwargs)
+    no_traceback(proc)
+    return proc
+
+
+def one_line(proc: subprocess.CompletedProcess) -> str:
+    """The command's single stderr line (asserted to be one line)."""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_run import doracheck_command, no_traceback, run_cli, snapshot
+from cli_run import doracheck_command, one_line, run_clean, snapshot
 from peft_models import TARGETS, tiny_llama
 from safetensors.torch import load_file, save_file
 
@@ -36,24 +36,14 @@ MODULES = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj",
            "model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj"]
 
 
-def _run(args, cwd, **kw):
-    proc = run_cli(args, cwd, **kw)
-    no_traceback(proc)
-    return proc
-
-
-def _one_line(proc) -> str:
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
 def sample_src(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("src")
-    proc = _run(["sample", "trained"], root)
+    proc = run_clean(["sample", "trained"], root)
     assert proc.returncode == 0, proc.stderr
-    proc = _run(["sample", "fresh", "--fresh"], root)
+    proc = run_clean(["sample", "fresh", "--fresh"], root)
     assert proc.returncode == 0, proc.stderr
     return root
 
@@ -69,7 +59,7 @@ def work(tmp_path, sample_src) -> Path:
 def _audit(work: Path, *extra: str, folder: str = "s", base: bool = True):
     args = ["audit", folder, *(["--base", f"{folder}/base_model.safetensors"] if base else []), "--device", "cpu", *extra]
     before = snapshot(work)
-    proc = _run(args, work)
+    proc = run_clean(args, work)
     after = snapshot(work)
     report = next((extra[i + 1] for i, a in enumerate(extra) if a == "--report"), None)
     after.pop(report, None)
@@ -81,11 +71,11 @@ def _audit(work: Path, *extra: str, folder: str = "s", base: bool = True):
 
 
 def test_sample_creates_folder_and_prints_next_command(tmp_path):
-    proc = _run(["sample", "new/sub"], tmp_path)
+    proc = run_clean(["sample", "new/sub"], tmp_path)
     assert proc.returncode == 0 and proc.stderr == ""
     assert sorted(os.listdir(tmp_path / "new/sub")) == ["adapter_config.json", "adapter_model.safetensors", "base_model.safetensors"]
     assert "next: doracheck audit new/sub --base new/sub/base_model.safetensors" in proc.stdout
-    follow = _run(proc.stdout.strip().splitlines()[-1].removeprefix("next: doracheck ").split(), tmp_path)
+    follow = run_clean(proc.stdout.strip().splitlines()[-1].removeprefix("next: doracheck ").split(), tmp_path)
     assert follow.returncode == 0 and "4 modules" in follow.stdout
 
 
@@ -96,38 +86,38 @@ def test_sample_never_overwrites_a_real_adapter(work):
     (real / "adapter_config.json").write_text('{"r": 2, "lora_alpha": 4, "use_dora": true}')
     before = snapshot(work)
     for args in (["sample", "real"], ["sample", "real", "--fresh"]):
-        proc = _run(args, work)
+        proc = run_clean(args, work)
         assert proc.returncode == 2 and proc.stdout == ""
-        assert _one_line(proc).startswith("doracheck sample: real/adapter_model.safetensors: already exists")
+        assert one_line(proc).startswith("doracheck sample: real/adapter_model.safetensors: already exists")
     assert snapshot(work) == before
     only_config = work / "partial"
     only_config.mkdir()
     (only_config / "adapter_config.json").write_text("{}")
     before = snapshot(work)
-    proc = _run(["sample", "partial"], work)
-    assert proc.returncode == 2 and "partial/adapter_config.json: already exists" in _one_line(proc)
+    proc = run_clean(["sample", "partial"], work)
+    assert proc.returncode == 2 and "partial/adapter_config.json: already exists" in one_line(proc)
     assert snapshot(work) == before  # nothing written, not even the files that were missing
 
 
 def test_sample_on_a_file_is_refused(work):
     before = snapshot(work)
-    proc = _run(["sample", "s/adapter_model.safetensors"], work)
-    assert proc.returncode == 2 and "is a file" in _one_line(proc)
+    proc = run_clean(["sample", "s/adapter_model.safetensors"], work)
+    assert proc.returncode == 2 and "is a file" in one_line(proc)
     assert snapshot(work) == before
 
 
 def test_make_sample_is_a_deprecated_alias_that_never_overwrites(work):
     before = snapshot(work)
     for target in ("s", "s/adapter_model.safetensors"):
-        proc = _run(["audit", target, "--make-sample"], work)
+        proc = run_clean(["audit", target, "--make-sample"], work)
         assert proc.returncode == 2
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 2 and "deprecated" in lines[0] and "doracheck sample" in lines[0]
         assert "already exists" in lines[1] or "is a file" in lines[1]
     assert snapshot(work) == before
-    proc = _run(["audit", "fresh_dir", "--make-sample"], work)
+    proc = run_clean(["audit", "fresh_dir", "--make-sample"], work)
     assert proc.returncode == 0 and "deprecated" in proc.stderr and (work / "fresh_dir/adapter_model.safetensors").is_file()
-    assert "--make-sample" not in _run(["audit", "--help"], work).stdout
+    assert "--make-sample" not in run_clean(["audit", "--help"], work).stdout
 
 
 # --- 2. config values ------------------------------------------------------------------------
@@ -148,7 +138,7 @@ def test_wrongly_typed_config_value_exits_2(work, change, expected):
     (work / "s/adapter_config.json").write_text(json.dumps({**cfg, **change}))
     proc = _audit(work)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert _one_line(proc) == f"doracheck audit: s/adapter_config.json: {expected}"
+    assert one_line(proc) == f"doracheck audit: s/adapter_config.json: {expected}"
 
 
 def test_every_bad_config_value_gets_its_own_line(work):
@@ -170,9 +160,9 @@ def test_every_bad_config_value_gets_its_own_line(work):
 def test_base_matching_no_module_exits_2(work):
     save_file({"encoder.block.0.weight": torch.zeros(3, 3), "encoder.block.1.weight": torch.zeros(3, 3)}, str(work / "other.safetensors"))
     before = snapshot(work)
-    proc = _run(["audit", "s", "--base", "other.safetensors", "--device", "cpu"], work)
+    proc = run_clean(["audit", "s", "--base", "other.safetensors", "--device", "cpu"], work)
     assert proc.returncode == 2 and proc.stdout == ""
-    line = _one_line(proc)
+    line = one_line(proc)
     assert "matches none of the adapter's 4 DoRA modules" in line
     assert "'model.layers.0.self_attn.q_proj.weight'" in line and "'encoder.block.0.weight'" in line
     assert snapshot(work) == before
@@ -227,7 +217,7 @@ def test_fresh_peft_adapter_reports_no_collapse(tmp_path, dtype):
     peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, use_dora=True, target_modules=TARGETS)).save_pretrained(
         str(tmp_path / "adapter"))
     before = snapshot(tmp_path)
-    proc = _run(["audit", "adapter", "--base", "base.safetensors", "--json", "--device", "cpu"], tmp_path)
+    proc = run_clean(["audit", "adapter", "--base", "base.safetensors", "--json", "--device", "cpu"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert len(doc["modules"]) == 14 and _collapse(doc) == [(0.0, 0.0, 0)] * 14
@@ -256,9 +246,9 @@ def test_modules_in_natural_order(tmp_path):
         tensors.update({f"{prefix}.lora_A.weight": torch.randn(2, 4), f"{prefix}.lora_B.weight": torch.randn(3, 2),
                         f"{prefix}.lora_magnitude_vector": torch.rand(3) + 1})
     save_file(tensors, str(tmp_path / "a.safetensors"))
-    proc = _run(["audit", "a.safetensors", "--json"], tmp_path)
+    proc = run_clean(["audit", "a.safetensors", "--json"], tmp_path)
     assert [m["name"] for m in json.loads(proc.stdout)["modules"]] == [f"layers.{i}.proj" for i in (0, 1, 2, 10, 11)]
-    text = _run(["audit", "a.safetensors"], tmp_path).stdout
+    text = run_clean(["audit", "a.safetensors"], tmp_path).stdout
     rows = [line.split()[0] for line in text.splitlines() if line.startswith("layers.")]
     assert rows == [f"layers.{i}.proj" for i in (0, 1, 2, 10, 11)]
 
@@ -327,9 +317,9 @@ def test_folder_saved_without_safe_serialization(work):
     (work / "s/adapter_model.safetensors").unlink()
     torch.save({"weights": torch.zeros(2), "boom": _Marker(str(marker))}, str(work / "s/adapter_model.bin"))
     before = snapshot(work)
-    proc = _run(["audit", "s", "--base", "s/base_model.safetensors"], work)
+    proc = run_clean(["audit", "s", "--base", "s/base_model.safetensors"], work)
     assert proc.returncode == 2 and proc.stdout == ""
-    line = _one_line(proc)
+    line = one_line(proc)
     assert "has adapter_model.bin (a PyTorch pickle" in line and "never unpickles" in line
     assert "PeftModel.from_pretrained(base_model, 's').save_pretrained('s-safetensors', safe_serialization=True)" in line
     assert snapshot(work) == before and not marker.exists()
@@ -343,14 +333,14 @@ def test_pickle_file_is_refused_not_loaded(work, name, legacy):
     else:
         torch.save({"boom": _Marker(str(marker))}, str(work / name))
     before = snapshot(work)
-    proc = _run(["audit", name], work)
+    proc = run_clean(["audit", name], work)
     assert proc.returncode == 2
-    line = _one_line(proc)
+    line = one_line(proc)
     kind = "a Python pickle (legacy torch.save format)" if legacy else "a zip archive (PyTorch's torch.save format)"
     assert line.startswith(f"doracheck audit: {name}: {kind}, not safetensors; doracheck reads only safetensors")
     assert "safe_serialization=True" in line and "header length" not in line
-    base = _run(["audit", "s", "--base", name], work)
-    assert base.returncode == 2 and "AutoModelForCausalLM.from_pretrained" in _one_line(base)
+    base = run_clean(["audit", "s", "--base", name], work)
+    assert base.returncode == 2 and "AutoModelForCausalLM.from_pretrained" in one_line(base)
     assert snapshot(work) == before and not marker.exists()
 
 
@@ -384,15 +374,15 @@ def test_report_without_matplotlib_exits_2_before_auditing(work):
     (fake / "__init__.py").write_text("raise ImportError('matplotlib is not installed')\n")
     env = {"PYTHONPATH": os.pathsep.join([str(work / "fake_site"), os.environ.get("PYTHONPATH", "")])}
     before = snapshot(work)
-    proc = _run(["audit", "s", "--base", "s/base_model.safetensors", "--report", "r.html"], work, env=env)
+    proc = run_clean(["audit", "s", "--base", "s/base_model.safetensors", "--report", "r.html"], work, env=env)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert _one_line(proc) == "doracheck audit: --report: the HTML report needs matplotlib: pip install 'doracheck[report]'"
+    assert one_line(proc) == "doracheck audit: --report: the HTML report needs matplotlib: pip install 'doracheck[report]'"
     assert snapshot(work) == before
 
 
 def test_report_path_that_cannot_be_written(work):
     before = snapshot(work)
     for target, why in (("nowhere/r.html", "no such folder"), ("s", "is a folder"), ("s/adapter_config.json", "input files")):
-        proc = _run(["audit", "s", "--report", target], work)
-        assert proc.returncode == 2 and why in _one_line(proc)
+        proc = run_clean(["audit", "s", "--report", target], work)
+        assert proc.returncode == 2 and why in one_line(proc)
     assert snapshot(work) == before

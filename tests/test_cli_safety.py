@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_run import doracheck_command, no_traceback, run_cli, snapshot
+from cli_run import doracheck_command, one_line, run_clean, snapshot
 from safetensors.torch import load_file, save_file
 
 LONG = "a" * 300  # longer than a file name may be: every stat of it fails with ENAMETOOLONG, as root too
@@ -33,23 +33,13 @@ HUGE_BENCH = ["bench", "--tokens", "1", "--reps", "2", "--dtype", "fp32", "--mod
 HUGE_SHAPE = "30000000x30000000r4"  # 3.6e15 bytes of fp32: beyond any address space, refused at once
 
 
-def _run(args, cwd, **kw):
-    proc = run_cli(args, cwd, **kw)
-    no_traceback(proc)
-    return proc
-
-
-def _one_line(proc) -> str:
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    return lines[0]
 
 
 def _refused(args, cwd, *phrases: str, code: int = 2) -> str:
     """Run, expect ``code`` with one line holding every phrase, nothing on stdout, no file changed."""
     before = snapshot(cwd)
-    proc = _run(args, cwd)
-    line = _one_line(proc)
+    proc = run_clean(args, cwd)
+    line = one_line(proc)
     assert proc.returncode == code and proc.stdout == "", (proc.returncode, proc.stdout, line)
     for phrase in phrases:
         assert phrase in line, line
@@ -60,7 +50,7 @@ def _refused(args, cwd, *phrases: str, code: int = 2) -> str:
 @pytest.fixture(scope="module")
 def sample_src(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("src")
-    assert _run(["sample", "s"], root).returncode == 0
+    assert run_clean(["sample", "s"], root).returncode == 0
     return root / "s"
 
 
@@ -106,12 +96,12 @@ def test_audit_report_never_replaces_a_file_it_did_not_write(work, base, target,
 
 def test_audit_report_replaces_only_its_own_earlier_report(work):
     args = ["audit", "s", "--base", "s/base_model.safetensors", *AUDIT, "--report", "r.html"]
-    assert _run(args, work).returncode == 0
+    assert run_clean(args, work).returncode == 0
     first = (work / "r.html").read_text()
     assert first.startswith("<!DOCTYPE html>") and '<meta name="generator" content="doracheck">' in first
     (work / "r.html").write_text(first.replace("summary:", "EDITED summary:"))
     before = snapshot(work)
-    assert _run(args, work).returncode == 0
+    assert run_clean(args, work).returncode == 0
     after = snapshot(work)
     assert set(after) == set(before)  # no temporary file left behind
     assert {k for k in after if after[k] != before[k]} == {"r.html"} and "EDITED" not in (work / "r.html").read_text()
@@ -135,8 +125,8 @@ def test_bench_csv_is_left_alone_when_no_row_was_measured(work):
 def test_bench_csv_gets_the_rows_measured_before_running_out_of_memory(work):
     (work / "rows.csv").write_text("my,own\n1,2\n")
     before = snapshot(work)
-    proc = _run([*HUGE_BENCH, "--shapes", f"48x40r4,{HUGE_SHAPE}", "--csv", "rows.csv"], work)
-    assert proc.returncode == 2 and _one_line(proc).endswith("; the 1 rows measured are in rows.csv")
+    proc = run_clean([*HUGE_BENCH, "--shapes", f"48x40r4,{HUGE_SHAPE}", "--csv", "rows.csv"], work)
+    assert proc.returncode == 2 and one_line(proc).endswith("; the 1 rows measured are in rows.csv")
     after = snapshot(work)
     assert set(after) == set(before) and {k for k in after if after[k] != before[k]} == {"rows.csv"}
     lines = (work / "rows.csv").read_text().splitlines()
@@ -203,8 +193,8 @@ def test_sample_cut_short_removes_what_it_made_and_nothing_else(tmp_path, action
     (cwd / "old" / "keep.txt").write_text("mine\n")
     env = _hook(hooks, action, "base_model.safetensors")  # the third file: two are written by then
     for target, left in (("new/deeper/s", {"old"}), ("old", {"old"})):
-        proc = _run(["sample", target], cwd, env=env)
-        assert proc.returncode == code and message in _one_line(proc) and proc.stdout == ""
+        proc = run_clean(["sample", target], cwd, env=env)
+        assert proc.returncode == code and message in one_line(proc) and proc.stdout == ""
         assert {p.name for p in cwd.iterdir()} == left  # new/ and new/deeper/ were made by the run: gone
         assert [p.name for p in (cwd / "old").iterdir()] == ["keep.txt"]
 
@@ -225,7 +215,7 @@ def test_report_draws_module_names_with_dollar_signs_as_text(tmp_path):
     name = "model.layer$^^$.q_proj"  # mathtext would fail to parse this
     _adapter(tmp_path / "a", {name: SMALL})
     before = snapshot(tmp_path)
-    proc = _run(["audit", "a", "--base", "a/base.safetensors", *AUDIT, "--report", "r.html"], tmp_path)
+    proc = run_clean(["audit", "a", "--base", "a/base.safetensors", *AUDIT, "--report", "r.html"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     page = (tmp_path / "r.html").read_text()
     assert page.count("<svg") == 1 and page.count("layer$^^$") >= 3
@@ -278,7 +268,7 @@ def test_a_huge_repeat_count_in_a_config_pattern_is_one_line(work, pattern):
 def test_a_module_with_zero_output_features_is_a_shape_error(tmp_path):
     _adapter(tmp_path / "a", {"model.empty": ((8, 16), (0, 8), (0,), (0, 16)), "model.fine": SMALL})
     before = snapshot(tmp_path)
-    proc = _run(["audit", "a", "--base", "a/base.safetensors", *AUDIT, "--json"], tmp_path)
+    proc = run_clean(["audit", "a", "--base", "a/base.safetensors", *AUDIT, "--json"], tmp_path)
     assert proc.returncode == 1 and proc.stderr == ""
     doc = {m["name"]: m for m in json.loads(proc.stdout)["modules"]}
     assert [c["id"] for c in doc["model.empty"]["checks"] if c["severity"] == "error"] == ["structure.shape"]
@@ -298,7 +288,7 @@ def test_a_shard_index_that_is_not_utf8_is_one_line(work):
 def test_module_names_with_non_ascii_digits_sort_without_a_crash(tmp_path):
     names = ["model.x²", "model.x10", "model.x2", "model.x٣"]
     _adapter(tmp_path / "a", {n: SMALL for n in names})
-    proc = _run(["audit", "a", "--base", "a/base.safetensors", *AUDIT, "--json"], tmp_path)
+    proc = run_clean(["audit", "a", "--base", "a/base.safetensors", *AUDIT, "--json"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert [m["name"] for m in json.loads(proc.stdout)["modules"]] == ["model.x2", "model.x10", "model.x²", "model.x٣"]
 
@@ -309,7 +299,7 @@ def test_module_names_with_non_ascii_digits_sort_without_a_crash(tmp_path):
 def test_fp64_base_merge_error_is_counted_in_fp32_ulps(work):
     base = {k: v.double() for k, v in load_file(str(work / "s/base_model.safetensors")).items()}
     save_file(base, str(work / "s/base_model.safetensors"))
-    proc = _run(["audit", "s", "--base", "s/base_model.safetensors", *AUDIT, "--json", "--strict"], work)
+    proc = run_clean(["audit", "s", "--base", "s/base_model.safetensors", *AUDIT, "--json", "--strict"], work)
     assert proc.returncode == 0, proc.stdout[-2000:]
     for module in json.loads(proc.stdout)["modules"]:
         merge = next(c for c in module["checks"] if c["id"] == "merge.ulp")

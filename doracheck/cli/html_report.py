@@ -18,9 +18,10 @@ from __future__ import annotations
 import html
 import io
 import os
-import tempfile
 from collections.abc import Sequence
 from typing import Any
+
+from doracheck.safe_files import install, temp_beside
 
 _STYLE = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1100px;color:#222}
 table{border-collapse:collapse;margin:0.5em 0 1em}td,th{border:1px solid #ccc;padding:2px 8px;font-size:13px;text-align:left}
@@ -134,29 +135,17 @@ class Report:
         replace_file(path, self.render().encode("utf-8"))
 
 
-def _file_mode() -> int:
-    """The mode a new file gets here (0o666 less the umask)."""
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
 def replace_file(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file in its folder and ``os.replace``,
     after checking ``target_problem`` again (the file may have appeared meanwhile)."""
     problem = target_problem(path)
     if problem:
         raise TargetRefused(problem)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    fd, tmp = temp_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.chmod(tmp, _file_mode())
-        os.replace(tmp, path)
     except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
+        os.remove(tmp)
         raise
+    install(tmp, path)

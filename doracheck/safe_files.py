@@ -1,0 +1,36 @@
+"""Writing a user's file without ever leaving it half-written or replaced by nothing: the new
+content goes to a temporary file in the same folder, which then replaces the target with
+``os.replace`` (atomic on one file system). Used by the HTML reports and ``bench --csv``."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+
+def new_file_mode() -> int:
+    """The mode a new file gets here (0o666 less the umask; mkstemp's 0600 would make a
+    private file of a shared one)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def temp_beside(path: str) -> tuple[int, str]:
+    """(fd, name) of a new temporary file in ``path``'s folder."""
+    folder, name = os.path.split(os.path.abspath(path))
+    return tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+
+
+def install(tmp: str, path: str) -> None:
+    """``tmp`` (written and closed) becomes ``path``; on any failure ``tmp`` is removed and the
+    error raised, and ``path`` is as it was."""
+    try:
+        os.chmod(tmp, new_file_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
