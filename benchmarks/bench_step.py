@@ -102,7 +102,12 @@ def one_row(args) -> dict:
     import triton
 
     fn = decode_row if args.mode.startswith("decode") else train_row
-    row = {"impl": args.impl, "mode": args.mode, "optimizer": args.optimizer if not args.mode.startswith("decode") else "-"}
+    if args.backward_chunk_mib is not None:
+        from doracheck.kernels import settings
+
+        settings.BACKWARD_CHUNK_BYTES = int(args.backward_chunk_mib * 2**20)
+    row = {"impl": args.impl + (f"@chunk{args.backward_chunk_mib:g}MiB" if args.backward_chunk_mib is not None else ""),
+           "mode": args.mode, "optimizer": args.optimizer if not args.mode.startswith("decode") else "-"}
     row.update(fn(args.impl, args.mode, args))
     row.update(gpu=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
                triton=triton.__version__, peft=peft.__version__, transformers=transformers.__version__,
@@ -127,6 +132,8 @@ def main(argv=None) -> int:
     ap.add_argument("--csv", help="--all: write the rows here")
     ap.add_argument("--row-out", help="one row: append it to this CSV (header if new)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--backward-chunk-mib", type=float, help="experiment: doracheck's backward token-chunk budget "
+                    "(kernels/settings.BACKWARD_CHUNK_BYTES) for this run; recorded in the row")
     args, rest = ap.parse_known_args(argv)
     if args.all:
         out = RowWriter(args.csv)
