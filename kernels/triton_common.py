@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from .fast_launch import fast
 from .tracing import tracing
 
 
@@ -21,9 +22,11 @@ def interpreting() -> bool:
 
 
 def launcher(kernel, traced: bool | None = None):
-    """``kernel`` itself in eager, ``wrap_triton(kernel)`` while tracing (``traced``: the
-    caller's own ``tracing()`` answer, so a launch asks it once)."""
-    return wrap_triton(kernel) if (tracing() if traced is None else traced) else kernel
+    """``wrap_triton(kernel)`` while tracing (``traced``: the caller's own ``tracing()``
+    answer, so a launch asks it once); in eager the kernel's ``fast_launch.FastKernel`` (a
+    compiled kernel launched without triton's per-call binding), or the kernel itself where
+    that is off (the interpreter)."""
+    return wrap_triton(kernel) if (tracing() if traced is None else traced) else fast(kernel)
 
 
 @triton.jit
