@@ -3,7 +3,7 @@
 # Usage: bash benchmarks/host_check.sh [chunks|launch]
 #   chunks: the compile / CUDA-graph GPU tests, a cProfile of the doracheck model step, and the
 #     eager step + fused AdamW with the backward's token-chunk budget at 16, 64, 128 MiB.
-#   launch: GPU tests (kernels, real loops, autocast, zero magnitude, direct launches) and
+#   launch: GPU tests (kernels, real loops, autocast, zero magnitude) and
 #     memcheck over the direct launches; host µs per layer call with launches through triton
 #     and direct; the eager step + fused AdamW, launches through triton and direct, at chunk
 #     budgets 16, 32, 64 MiB, beside PEFT LoRA in the same run.

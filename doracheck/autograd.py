@@ -150,11 +150,12 @@ def _through_result(dy2: torch.Tensor, saved: Saved, db: torch.Tensor | None):
 
 
 def dora_from_base(x, result, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out=False, keep_mask=None, dropout_p=0.0,
-                   result_is_base=True):
+                   result_is_base=True, n_safe=None):
     """``DoRAFromBaseFunction``: y = g⊙(result - b + s·(x·Aᵀ)·Bᵀ) + b (with a bool ``keep_mask``:
     PEFT's dropout form, see the class), written into ``result`` when ``result_is_base`` (it
     is x·Wᵀ + b exactly) and nothing traces, else into a new tensor. Returns y. ``scaling``
-    is a float (the caller converts it once)."""
+    is a float (the caller converts it once). ``n_safe``: max(n, eps) from an armed
+    ``inference_norms`` buffer, used only where autograd records nothing."""
     in_place = result_is_base and not tracing()
     if not _records(result, x, lora_A, lora_B, magnitude, bias):
         # No autograd: the forward alone, without the Function machinery (decode runs here).
@@ -162,7 +163,7 @@ def dora_from_base(x, result, weight, lora_A, lora_B, magnitude, bias, scaling, 
         with our_numerics(result.device.type):
             backend = dispatch.backend_for(x, weight, lora_A, lora_B, magnitude, bias)
             out, _ = forward_pass.from_base_forward(result, x, a, keep_mask, backend, need_saved=False, in_place=in_place,
-                                                    result_is_base=result_is_base)
+                                                    result_is_base=result_is_base, n_safe=n_safe)
         return out
     return DoRAFromBaseFunction.apply(
         result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask, dropout_p, result_is_base, in_place

@@ -128,11 +128,13 @@ def _write(r2: torch.Tensor, y: torch.Tensor) -> None:
 
 
 def from_base_forward(result: torch.Tensor, x: torch.Tensor, a: LayerArgs, keep_mask: torch.Tensor | None, backend: Backend, *,
-                      need_saved: bool, in_place: bool = True, result_is_base: bool = True):
+                      need_saved: bool, in_place: bool = True, result_is_base: bool = True, n_safe: torch.Tensor | None = None):
     """(y, Saved or None) for ``dora_from_base``: y = b + g⊙(result - b + s·(x·Aᵀ)·Bᵀ), or
     with dropout y = result + (g-1)⊙(x_d·Wᵀ) + g⊙s⊙(x_d·Aᵀ)·Bᵀ; written into ``result`` when
     ``in_place``, else into a new tensor. The output may stand for z only where ``result`` is
-    x·Wᵀ exactly (``result_is_base``): the lost-row pass recomputes z from x and W."""
+    x·Wᵀ exactly (``result_is_base``): the lost-row pass recomputes z from x and W.
+    ``n_safe``: max(n, eps) already at hand (an armed ``inference_norms`` buffer), used only
+    when nothing is saved for a backward."""
     cd, d_out = result.dtype, result.shape[-1]
     bias = _contiguous_bias(a.bias)
     x2 = in_dtype(x.reshape(-1, x.shape[-1]), cd)
@@ -141,7 +143,10 @@ def from_base_forward(result: torch.Tensor, x: torch.Tensor, a: LayerArgs, keep_
     r2 = result.view(T, d_out) if in_place else result.reshape(T, d_out).clone(memory_format=torch.contiguous_format)
     out = result if in_place else r2.view(result.shape)
     g_in_kernel = not need_saved and keep_mask is None
-    fn, g, n_safe = norm_and_scale(backend, a, need_g=not g_in_kernel, recording=need_saved)
+    if n_safe is not None and not need_saved:
+        fn, g = None, None if g_in_kernel else magnitude_scale(a.magnitude, n_safe)
+    else:
+        fn, g, n_safe = norm_and_scale(backend, a, need_g=not g_in_kernel, recording=need_saved)
     A = in_dtype(a.lora_A, cd)
     if g_in_kernel:  # inference: g = m / n inside the compose, nothing kept
         _write(r2, backend.compose_infer(r2, x2 @ A.t(), a.lora_B, a.magnitude, n_safe, bias, a.scaling, True))
@@ -159,4 +164,6 @@ def from_base_forward(result: torch.Tensor, x: torch.Tensor, a: LayerArgs, keep_
         _write(r2, y)
         if from_output:
             h = out  # saved as the output itself (a view of it would be refused)
+    if not need_saved or fn is None:
+        return out, None
     return out, Saved(x2, keep, xa, h, g, fn.norm, n_safe, None, None, backend, from_output, planner.DEFAULT)

@@ -67,6 +67,18 @@ def _on_optimizer_step(_optimizer, _args, _kwargs) -> None:
 _OPTIMIZER_HOOK = register_optimizer_step_post_hook(_on_optimizer_step)
 
 
+def era() -> int:
+    """The number of the current training era (it grows at every optimizer step, training
+    forward after a backward, and ``clear_norm_cache``)."""
+    return _era["number"]
+
+
+def backward_seen() -> bool:
+    """Whether a doracheck backward ran in this era (then no forward outside a backward may
+    reuse a norm: rule 3)."""
+    return _era["backward_seen"]
+
+
 def note_backward() -> None:
     """Called by every doracheck backward: parameters may be written once it is done, so no
     norm is reused outside a backward until an optimizer step or a training forward starts a

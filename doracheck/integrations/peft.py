@@ -10,7 +10,10 @@ init, merge, unmerge, state-dict keys, save/load, several adapters, ``set_adapte
 The accelerated forward rewrites PEFT's base output x·Wᵀ + b in place into the DoRA output
 (``doracheck.autograd.DoRAFromBaseFunction``), after the same input checks as ``dora_linear``: the factored norm (cached while W, A, B are
 unchanged, so generation pays for it once), the fused up-projection + stable compose, and a
-backward that computes dx itself, so the base layer's backward GEMM never runs.
+backward that computes dx itself, so the base layer's backward GEMM never runs. ``enable`` also
+hooks the model so that forwards without grad mode read each layer's norm from a module buffer
+kept up to date before the forward (``doracheck.inference_norms``): compiled inference and
+decode then stop recomputing norms.
 
 Stays on PEFT's path (one info log line per ``enable`` call): embedding and conv DoRA,
 quantized or otherwise non-float base layers, a trainable base weight, and, per call, a
@@ -29,6 +32,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.lora.variants import DoraLinearVariant
 from torch import nn
 
+from doracheck import inference_norms
 from doracheck.autograd import dora_from_base
 from doracheck.validation import check_dora_inputs
 
@@ -66,6 +70,9 @@ class DoracheckDoraLinearVariant(DoraLinearVariant):
         if result.shape[-1] != lora_B.shape[0] or result.shape[:-1] != x.shape[:-1]:
             raise ValueError(f"result: expected shape {(*x.shape[:-1], lora_B.shape[0])} (the base layer's output), got "
                              f"{tuple(result.shape)}")
+        # Armed by the model's pre-hook (a forward without grad mode): max(n, eps) from the
+        # module's buffer, so neither eager nor compiled inference recomputes the norm.
+        n_safe = inference_norms.norm_buffer(module, active_adapter) if x.dtype != torch.float64 else None
         keep = None
         if dropout_active and p > 0:
             # The same draw PEFT's dropout(x) would make (same shape, dtype, device, RNG state).
@@ -83,6 +90,7 @@ class DoracheckDoraLinearVariant(DoraLinearVariant):
             keep,
             p if keep is not None else 0.0,
             result_is_base,
+            n_safe,
         )
 
 
@@ -123,6 +131,7 @@ def enable(model: nn.Module) -> nn.Module:
             module.__dict__.setdefault(_ORIGINALS, {})[adapter] = variant
             variants[adapter] = DoracheckDoraLinearVariant()
             accelerated += 1
+    inference_norms.attach(model, _routed(model), _entry_points(model))
     left = sum(len(where) for where in skipped.values())
     logger.info("doracheck: %d DoRA Linear adapters now run through doracheck, %d stay on PEFT's path", accelerated, left)
     for reason, where in skipped.items():
@@ -130,8 +139,26 @@ def enable(model: nn.Module) -> nn.Module:
     return model
 
 
+def _routed(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    return [
+        (module, adapter)
+        for module in model.modules()
+        for adapter, variant in (getattr(module, "lora_variant", None) or {}).items()
+        if isinstance(variant, DoracheckDoraLinearVariant)
+    ]
+
+
+def _entry_points(model: nn.Module) -> list[nn.Module]:
+    """The modules whose forward runs a whole inference: the model given to ``enable`` and,
+    for a PEFT model, the base model (its ``generate`` calls that one)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else None
+    return [model] if base is None or base is model else [model, base]
+
+
 def disable(model: nn.Module) -> nn.Module:
-    """Undo ``enable``: PEFT's own DoRA variant classes come back; returns the model."""
+    """Undo ``enable``: PEFT's own DoRA variant classes come back, the norm buffers and hooks
+    go; returns the model."""
+    inference_norms.detach(model, _entry_points(model))
     for module in model.modules():
         originals = module.__dict__.pop(_ORIGINALS, None)
         if not originals:

@@ -1,0 +1,198 @@
+"""Norms as module state for inference (doracheck/inference_norms.py), through the PEFT integration.
+
+A forward without grad mode through the model ``enable`` hooked reads each layer's max(n, eps)
+from a module buffer that the pre-hook refreshed: bitwise what the layer computes itself,
+refreshed whenever the rule of ``norm_cache`` says the norm changed, never in ``state_dict``,
+and under torch.compile a graph with no norm in it that still follows updates of the adapters.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from peft_models import dora_model, tokens  # noqa: E402
+
+from doracheck import forward as forward_pass  # noqa: E402
+from doracheck import inference_norms  # noqa: E402
+from doracheck.integrations.peft import disable, enable  # noqa: E402
+from doracheck.norm_cache import clear_norm_cache  # noqa: E402
+
+
+@pytest.fixture
+def model():
+    clear_norm_cache()
+    m = dora_model(0)
+    enable(m)
+    m.eval()
+    return m
+
+
+@pytest.fixture
+def norm_calls(monkeypatch):
+    """How often a layer computed (or looked up) its norm itself, and how often a slot refreshed."""
+    calls = {"layer": 0, "slot": 0}
+    layer_norm, slot_refresh = forward_pass.norm_and_scale, inference_norms.NormSlot.refresh
+
+    def counted_layer(*args, **kwargs):
+        calls["layer"] += 1
+        return layer_norm(*args, **kwargs)
+
+    def counted_slot(self, era):
+        before = self.stamp
+        slot_refresh(self, era)
+        calls["slot"] += self.stamp != before
+    monkeypatch.setattr(forward_pass, "norm_and_scale", counted_layer)
+    monkeypatch.setattr(inference_norms.NormSlot, "refresh", counted_slot)
+    return calls
+
+
+def _logits(m, ids):
+    with torch.no_grad():
+        return m(ids).logits
+
+
+def _unarmed(monkeypatch, m, ids):
+    """The same forward with every layer computing its own norm."""
+    with monkeypatch.context() as patch:
+        patch.setattr(inference_norms, "norm_buffer", lambda module, adapter: None)
+        return _logits(m, ids)
+
+
+def test_armed_forwards_read_the_buffers_and_are_bitwise_the_layers_own(model, norm_calls, monkeypatch):
+    ids = tokens(0)
+    first = _logits(model, ids)
+    assert norm_calls == {"layer": 0, "slot": 14}  # 2 decoder layers x 7 adapters, computed by the hook
+    second = _logits(model, ids)
+    assert norm_calls == {"layer": 0, "slot": 14}  # nothing changed: nothing recomputed
+    assert torch.equal(first, second)
+    assert torch.equal(first, _unarmed(monkeypatch, model, ids))
+    assert not inference_norms.armed()
+
+
+@pytest.mark.parametrize("change", ["in_place", "replaced", "optimizer_step", "clear"])
+def test_a_buffer_follows_every_change_the_rule_sees(model, norm_calls, monkeypatch, change):
+    ids = tokens(1)
+    _logits(model, ids)
+    lora_B = model.base_model.model.model.layers[1].mlp.down_proj.lora_B["default"]
+    if change == "in_place":
+        with torch.no_grad():
+            lora_B.weight.mul_(1.5)
+    elif change == "replaced":
+        lora_B.weight = torch.nn.Parameter(lora_B.weight.detach() * 1.5)
+    elif change == "optimizer_step":
+        model.train()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=False)
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        model.eval()
+    else:
+        with torch.no_grad():
+            lora_B.weight.data.mul_(1.5)  # invisible to every counter: clear_norm_cache() is the documented remedy
+        clear_norm_cache()
+    before = norm_calls["slot"]
+    after = _logits(model, ids)
+    assert norm_calls["slot"] > before
+    assert torch.equal(after, _unarmed(monkeypatch, model, ids))
+
+
+def test_not_armed_between_a_backward_and_the_next_step(model, norm_calls):
+    """Rule 3: once a backward ran, parameters may be written by hand at any time."""
+    ids = tokens(2)
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    model.eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.data.add_(p.grad, alpha=-1e-2)  # a tutorial update: no version change
+    norm_calls["layer"] = 0
+    _logits(model, ids)
+    assert norm_calls["layer"] == 14  # every layer computed its norm from the parameters of the moment
+
+
+def test_disarmed_after_a_forward_that_raises_and_nothing_in_the_state_dict(model):
+    keys = set(dora_model(0).state_dict())
+    assert set(model.state_dict()) == keys
+    with pytest.raises(Exception), torch.no_grad():
+        model(torch.zeros(2, 3, 4, dtype=torch.long))  # 3-D ids: the embedding's output cannot enter attention
+    assert not inference_norms.armed()
+    _logits(model, tokens(0))
+    assert not inference_norms.armed()
+
+
+def test_disable_removes_the_hooks_and_the_buffers(model):
+    _logits(model, tokens(0))
+    assert any("_doracheck_norm" in name for name, _ in model.named_buffers())
+    disable(model)
+    assert not any("_doracheck_norm" in name for name, _ in model.named_buffers())
+    assert not model._forward_pre_hooks and not model.get_base_model()._forward_pre_hooks
+
+
+def test_compiled_inference_reads_the_buffers_and_follows_an_update(model, monkeypatch):
+    """A graph with no norm in it (no square root: the norm's is the only one), the same numbers
+    as eager, and an in-place update of an adapter between calls seen by the next call."""
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=recording_backend)
+    ids = tokens(3)
+    eager = _logits(model, ids)
+    with torch.no_grad():
+        assert torch.equal(compiled(ids).logits, eager)
+    targets = [str(node.target) for gm in graphs for node in gm.graph.nodes]
+    assert targets and not [t for t in targets if "sqrt" in t and "rsqrt" not in t]  # RMSNorm's rsqrt stays
+    with torch.no_grad():
+        model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight.mul_(1.5)
+        assert torch.equal(compiled(ids).logits, _unarmed(monkeypatch, model, ids))
+
+
+def test_a_compiled_graph_that_reads_buffers_runs_only_when_armed(model, monkeypatch):
+    """After a backward (rule 3: not armed), hand-written updates must be seen by the compiled
+    model: Dynamo's guard on the armed flag sends the call to a graph that computes the norm."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    ids = tokens(4)
+    with torch.no_grad():
+        compiled(ids)  # compiled while armed
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    model.eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.data.add_(p.grad, alpha=-1e-1)  # no version change, no optimizer step
+        assert torch.equal(compiled(ids).logits, _unarmed(monkeypatch, model, ids))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_replays_of_a_compiled_model_follow_an_update():
+    """mode="reduce-overhead" (CUDA graphs, Triton path): the buffers are static inputs that the
+    eager pre-hook rewrites in place, so a replay after an in-place adapter update computes with
+    the new norm. Inductor's own kernels change the last bits, so the check is by distance: the
+    replay is far closer to eager after the update than eager before it is."""
+    clear_norm_cache()
+    m = dora_model(0, dtype=torch.bfloat16).cuda()
+    enable(m)
+    m.eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(m, mode="reduce-overhead")
+    ids = tokens(5, device="cuda")
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(ids)
+        before = m(ids).logits.float()
+        lora_B = m.base_model.model.model.layers[0].mlp.gate_proj.lora_B["default"].weight
+        lora_B.mul_(3.0)
+        after = m(ids).logits.float()
+        replay = compiled(ids).logits.float()
+    moved = (after - before).norm()
+    assert moved > 0
+    assert (replay - after).norm() < 0.05 * moved
