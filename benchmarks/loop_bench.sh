@@ -10,7 +10,7 @@ PART=${1:-all}
 source benchmarks/gpu_common.sh
 export CUDA_VISIBLE_DEVICES=0
 if [ "$PART" = decode ]; then
-  step gpu_tests 150 $PY -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_inference_norms.py \
+  step gpu_tests 120 $PY -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_inference_norms.py \
     tests/test_kernels_gpu.py -k "compile or cuda_graph or reduce_overhead or follow"
 fi
 cd benchmarks
@@ -18,7 +18,7 @@ run_rows() {  # NAME SECONDS IMPLS MODES
   step "$1" "$2" $PY bench_step.py --all --impls "$3" --modes "$4" --csv "$R/$1.csv"
 }
 if [ "$PART" = decode ]; then
-  run_rows decode_eager 100 peft_lora_bf16,doracheck_bf16 decode_eager
+  run_rows decode_eager 90 peft_lora_bf16,doracheck_bf16 decode_eager
   run_rows decode_compiled 300 peft_lora_bf16,doracheck_bf16,peft_dora_bf16 decode_compiled
 fi
 if [ "$PART" = eager ] || [ "$PART" = all ]; then
