@@ -176,8 +176,10 @@ def test_a_compiled_graph_that_reads_buffers_runs_only_when_armed(model, monkeyp
 def test_cuda_graph_replays_of_a_compiled_model_follow_an_update():
     """mode="reduce-overhead" (CUDA graphs, Triton path): the buffers are static inputs that the
     eager pre-hook rewrites in place, so a replay after an in-place adapter update computes with
-    the new norm. Inductor's own kernels change the last bits, so the check is by distance: the
-    replay is far closer to eager after the update than eager before it is."""
+    the new norm. Inductor's own kernels change the last bits, so the check is by distance:
+    after the update (B·A now dominates W in one layer, so the norm moves a lot) the replay is
+    as close to eager as it was before the update, while a replay with the old norm would be as
+    far from it as the model moved."""
     clear_norm_cache()
     m = dora_model(0, dtype=torch.bfloat16).cuda()
     enable(m)
@@ -187,12 +189,16 @@ def test_cuda_graph_replays_of_a_compiled_model_follow_an_update():
     ids = tokens(5, device="cuda")
     with torch.no_grad():
         for _ in range(3):
-            compiled(ids)
+            replay_before = compiled(ids).logits.float()
         before = m(ids).logits.float()
-        lora_B = m.base_model.model.model.layers[0].mlp.gate_proj.lora_B["default"].weight
-        lora_B.mul_(3.0)
+        noise = (replay_before - before).norm()
+        mlp = m.base_model.model.model.layers[0].mlp
+        gen = torch.Generator(device="cuda").manual_seed(6)
+        for proj in (mlp.gate_proj, mlp.up_proj):
+            B = proj.lora_B["default"].weight
+            B.copy_(torch.randn(B.shape, generator=gen, device="cuda", dtype=torch.float32).to(B.dtype))
         after = m(ids).logits.float()
         replay = compiled(ids).logits.float()
     moved = (after - before).norm()
-    assert moved > 0
-    assert (replay - after).norm() < 0.05 * moved
+    assert moved > 20 * noise  # the update is far above Inductor's rounding differences
+    assert (replay - after).norm() <= 3 * noise + 1e-3 * after.norm()
