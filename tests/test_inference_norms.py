@@ -176,12 +176,13 @@ def test_a_compiled_graph_that_reads_buffers_runs_only_when_armed(model, monkeyp
 def test_cuda_graph_replays_of_a_compiled_model_follow_an_update():
     """mode="reduce-overhead" (CUDA graphs, Triton path): the buffers are static inputs that the
     eager pre-hook rewrites in place, so a replay after an in-place adapter update computes with
-    the new norm. Inductor's own kernels change the last bits, so the check is by distance:
-    after the update (B·A now dominates W in one layer, so the norm moves a lot) the replay is
-    as close to eager as it was before the update, while a replay with the old norm would be as
-    far from it as the model moved."""
+    the new norm. Inductor's own kernels change the last bits, so the check is by distance, in
+    fp32 (in bf16 Inductor's rounding differences were 1/14 of the whole move of this tiny
+    model's logits): after the update (B·A now dominates W in two layers, so their norms move a
+    lot) the replay is as close to eager as it was before the update, while a replay with the
+    old norms would be about as far from it as the model moved."""
     clear_norm_cache()
-    m = dora_model(0, dtype=torch.bfloat16).cuda()
+    m = dora_model(0, dtype=torch.float32).cuda()
     enable(m)
     m.eval()
     torch._dynamo.reset()
