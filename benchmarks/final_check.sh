@@ -9,4 +9,5 @@ cd benchmarks
 step step_eager 100 $PY bench_step.py --all --impls peft_lora_bf16,doracheck_bf16,doracheck_fp32,peft_dora_fp32 --modes eager_gc --csv "$R/step_eager.csv"
 cd ..
 grep -v DEBUG "$R/gpu_tests.log" | tail -n 3
+tail -n 6 "$R/step_eager.log"
 finish
