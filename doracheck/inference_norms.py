@@ -9,13 +9,15 @@ LoRA's tokens/s). Here the norm becomes module state that the model refreshes:
   adapter) a ``NormSlot``: max(n, eps) in fp32 as a non-persistent buffer of the module (not in
   ``state_dict``; a static input to CUDA graphs), and puts two hooks on the model.
 - Before a forward without grad mode (evaluation, generation), the pre-hook brings every
-  buffer up to date and *arms* the model; the post-hook (called even when the forward raises)
-  disarms it. Both are excluded from tracing (``torch.compiler.disable``): a compiled model
-  gets one graph break before and one after its body.
-- While armed, a layer reads max(n, eps) from its buffer instead of computing the norm (eager:
-  no per-layer cache lookup; compiled: the graph reads the buffer). Dynamo guards on the
-  armed flag, so a graph that reads buffers runs only after the pre-hook ran eagerly; a layer
-  called any other way (a submodule on its own, a training forward) computes its norm.
+  buffer of that model up to date and *arms* its layers (a flag on each layer module); the
+  post-hook (called even when the forward raises) disarms them when the outermost hooked call
+  of that model ends. Both are excluded from tracing (``torch.compiler.disable``): a compiled
+  model gets one graph break before and one after its body.
+- An armed layer reads max(n, eps) from its buffer instead of computing the norm (eager: no
+  per-layer cache lookup; compiled: the graph reads the buffer). Dynamo guards on the flag, so
+  a graph that reads buffers runs only for layers the pre-hook of their own model prepared; a
+  layer called any other way (a submodule on its own, inside another model's forward, a
+  training forward) computes its norm.
 
 When a buffer is refreshed is the norm-reuse rule of ``norm_cache`` for forwards without grad
 mode, checked per slot in a few attribute reads: recomputed when W, A or B is another tensor,
@@ -37,16 +39,11 @@ from .kernels.constants import EPS
 from .kernels.tracing import tracing
 from .numerics import our_numerics
 
-_SLOTS = "_doracheck_norm_slots"  # on the hooked model: list of NormSlot
+_SLOTS = "_doracheck_norm_slots"  # on a hooked model: the list of its NormSlots
 _NAMES = "_doracheck_norm_buffers"  # on each layer module: {adapter: buffer name}
+_ARMED = "_doracheck_norms_armed"  # on each layer module: bool, read by the layer
 _HOOKS = "_doracheck_norm_hooks"
-_state = {"armed": False, "depth": 0}
-
-
-def armed() -> bool:
-    """Whether the running forward was prepared by the pre-hook (read inside layers; Dynamo
-    guards on it)."""
-    return _state["armed"]
+_depth: dict[int, int] = {}  # id(slot list) -> hooked calls of that model now running
 
 
 class NormSlot:
@@ -57,71 +54,93 @@ class NormSlot:
         self.stamp: tuple | None = None
 
     def _tensors(self):
+        """(W, A, B) as the module holds them now, or None once the adapter is gone."""
         m = self.module
-        return (m.get_base_layer()._parameters["weight"], m.lora_A[self.adapter]._parameters["weight"],
-                m.lora_B[self.adapter]._parameters["weight"])
+        try:
+            return (m.get_base_layer()._parameters["weight"], m.lora_A[self.adapter]._parameters["weight"],
+                    m.lora_B[self.adapter]._parameters["weight"])
+        except KeyError:  # delete_adapter: nothing reads this slot any more
+            return None
 
     def refresh(self, era: int) -> None:
-        """Recompute the buffer unless W, A, B (object, address, version), s and the era are
-        those it was computed from."""
-        W, A, B = self._tensors()
+        """Recompute the buffer unless W, A, B (object, address, version), s, the era and the
+        buffer itself are those it was computed from."""
+        tensors = self._tensors()
+        if tensors is None:
+            return
+        W, A, B = tensors
         s = float(self.module.scaling[self.adapter])
+        buffer = self.module._buffers.get(self.name)
         stamp = (era, s, id(W), id(A), id(B), W.data_ptr(), A.data_ptr(), B.data_ptr(), W._version, A._version, B._version,
-                 W.dtype, A.dtype, B.dtype, W.device)
+                 W.dtype, A.dtype, B.dtype, W.device, id(buffer), None if buffer is None else buffer.dtype)
         if stamp == self.stamp:
             return
         fan_in_fan_out = self.module.fan_in_fan_out
         with torch.no_grad(), our_numerics(W.device.type):
             backend = dispatch.backend_for(W, A, B)
             n_safe = torch.clamp_min(backend.factored_norm(W, A, B, s, fan_in_fan_out, False).norm, EPS)
-        buffer = self.module._buffers.get(self.name)
         if buffer is None or buffer.shape != n_safe.shape or buffer.dtype != n_safe.dtype or buffer.device != n_safe.device:
-            self.module.register_buffer(self.name, n_safe, persistent=False)  # first use, or moved / cast by .to()
-        else:
-            buffer.copy_(n_safe)
-        self.stamp = stamp
+            # First use, or moved / cast by .to(). Made outside inference mode, so that a buffer
+            # first filled under torch.inference_mode() can still be rewritten under no_grad.
+            with torch.inference_mode(False):
+                buffer = torch.empty(n_safe.shape, dtype=n_safe.dtype, device=n_safe.device)
+            self.module.register_buffer(self.name, buffer, persistent=False)
+        buffer.copy_(n_safe)
+        self.stamp = (*stamp[:-2], id(buffer), buffer.dtype)
 
 
 def norm_buffer(module: nn.Module, adapter: str) -> torch.Tensor | None:
     """The armed max(n, eps) buffer of (module, adapter), or None (not armed, or no slot)."""
-    if not _state["armed"]:
+    if not getattr(module, _ARMED, False):
         return None
-    names = module.__dict__.get(_NAMES)
+    names = getattr(module, _NAMES, None)
     name = None if names is None else names.get(adapter)
     return None if name is None else module._buffers.get(name)
 
 
+def _arm(slots: list, value: bool) -> None:
+    for slot in slots:
+        slot.module.__dict__[_ARMED] = value
+
+
 @torch.compiler.disable
 def _before(model: nn.Module, args) -> None:
-    _state["depth"] += 1
-    if _state["depth"] > 1:
-        return  # a nested hooked model: the outermost call prepared (or declined) this forward
-    _state["armed"] = False
+    slots = model.__dict__.get(_SLOTS, [])
+    key = id(slots)
+    _depth[key] = _depth.get(key, 0) + 1
+    if _depth[key] > 1:
+        return  # a nested call of the same model: the outermost call prepared (or declined) it
     if torch.is_grad_enabled() or tracing() or norm_cache.backward_seen() or norm_cache.fsdp_active():
+        _arm(slots, False)
         return
     era = norm_cache.era()
-    for slot in model.__dict__.get(_SLOTS, ()):
+    for slot in slots:
         slot.refresh(era)
-    _state["armed"] = True
+    _arm(slots, True)
 
 
 @torch.compiler.disable
 def _after(model: nn.Module, args, output) -> None:
-    _state["depth"] = max(0, _state["depth"] - 1)
-    if _state["depth"] == 0:
-        _state["armed"] = False
+    slots = model.__dict__.get(_SLOTS, [])
+    key = id(slots)
+    left = _depth.pop(key, 1) - 1
+    if left > 0:
+        _depth[key] = left
+    else:
+        _arm(slots, False)
 
 
 def attach(model: nn.Module, layers: list[tuple[nn.Module, str]], entry_points: list[nn.Module]) -> None:
     """A ``NormSlot`` for each (module, adapter) of ``layers``, and the hooks on each module of
-    ``entry_points`` (the model and, for a PEFT model, the base model its ``generate`` calls).
-    Calling it again replaces what an earlier call attached."""
+    ``entry_points`` (the model and, for a PEFT model, the base model its ``generate`` calls;
+    they share one slot list). Calling it again replaces what an earlier call attached."""
     detach(model, entry_points)
     slots = []
     for module, adapter in layers:
         names = module.__dict__.setdefault(_NAMES, {})
         name = names.get(adapter) or f"_doracheck_norm_{len(names)}"
         names[adapter] = name
+        module.__dict__[_ARMED] = False
         slots.append(NormSlot(module, adapter, name))
     for entry in entry_points:
         entry.__dict__[_SLOTS] = slots
@@ -130,11 +149,14 @@ def attach(model: nn.Module, layers: list[tuple[nn.Module, str]], entry_points: 
 
 
 def detach(model: nn.Module, entry_points: list[nn.Module]) -> None:
-    """Remove the hooks and every norm buffer ``attach`` added."""
+    """Remove the hooks, the flags and every norm buffer ``attach`` added."""
     for entry in entry_points:
         for handle in entry.__dict__.pop(_HOOKS, ()):
             handle.remove()
-        entry.__dict__.pop(_SLOTS, None)
+        slots = entry.__dict__.pop(_SLOTS, None)
+        if slots is not None:
+            _depth.pop(id(slots), None)
     for module in model.modules():
+        module.__dict__.pop(_ARMED, None)
         for name in (module.__dict__.pop(_NAMES, None) or {}).values():
             module._buffers.pop(name, None)

@@ -49,6 +49,10 @@ def norm_calls(monkeypatch):
     return calls
 
 
+def _any_armed(m) -> bool:
+    return any(getattr(module, "_doracheck_norms_armed", False) for module in m.modules())
+
+
 def _logits(m, ids):
     with torch.no_grad():
         return m(ids).logits
@@ -69,7 +73,7 @@ def test_armed_forwards_read_the_buffers_and_are_bitwise_the_layers_own(model, n
     assert norm_calls == {"layer": 0, "slot": 14}  # nothing changed: nothing recomputed
     assert torch.equal(first, second)
     assert torch.equal(first, _unarmed(monkeypatch, model, ids))
-    assert not inference_norms.armed()
+    assert not _any_armed(model)
 
 
 @pytest.mark.parametrize("change", ["in_place", "replaced", "optimizer_step", "clear"])
@@ -118,9 +122,9 @@ def test_disarmed_after_a_forward_that_raises_and_nothing_in_the_state_dict(mode
     assert set(model.state_dict()) == keys
     with pytest.raises(Exception), torch.no_grad():
         model(torch.zeros(2, 3, 4, dtype=torch.long))  # 3-D ids: the embedding's output cannot enter attention
-    assert not inference_norms.armed()
+    assert not _any_armed(model)
     _logits(model, tokens(0))
-    assert not inference_norms.armed()
+    assert not _any_armed(model)
 
 
 def test_disable_removes_the_hooks_and_the_buffers(model):
@@ -203,3 +207,51 @@ def test_cuda_graph_replays_of_a_compiled_model_follow_an_update():
     moved = (after - before).norm()
     assert moved > 20 * noise  # the update is far above Inductor's rounding differences
     assert (replay - after).norm() <= 3 * noise + 1e-3 * after.norm()
+
+
+def test_inference_mode_then_no_grad(model, monkeypatch):
+    """A buffer first filled under torch.inference_mode() is an ordinary tensor, so a later
+    no_grad forward can rewrite it."""
+    ids = tokens(6)
+    with torch.inference_mode():
+        first = model(ids).logits
+    with torch.no_grad():
+        model.base_model.model.model.layers[0].mlp.up_proj.lora_B["default"].weight.mul_(2.0)
+    assert torch.equal(_logits(model, ids), _unarmed(monkeypatch, model, ids))
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, _unarmed(monkeypatch, model, ids))
+    assert not torch.equal(first, _unarmed(monkeypatch, model, ids))
+
+
+def test_a_deleted_adapter_is_skipped():
+    import peft
+
+    from peft_models import TARGETS
+
+    clear_norm_cache()
+    m = dora_model(0)
+    m.add_adapter("second", peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=TARGETS))
+    enable(m)
+    m.eval()
+    _logits(m, tokens(0))
+    m.base_model.delete_adapter("second")
+    _logits(m, tokens(0))  # the hook skips slots whose adapter is gone
+
+
+def test_only_the_called_models_layers_are_armed():
+    """Two enabled models: while one runs, the other's layers compute their own norms (a
+    submodule of it called inside this forward must not read a buffer its own hook never
+    refreshed)."""
+    clear_norm_cache()
+    a, b = dora_model(0), dora_model(1)
+    enable(a)
+    enable(b)
+    a.eval()
+    b.eval()
+    seen = []
+    layer = a.base_model.model.model.layers[0].self_attn.q_proj
+    handle = layer.register_forward_hook(lambda *_: seen.append((_any_armed(a), _any_armed(b))))
+    _logits(a, tokens(0))
+    handle.remove()
+    assert seen == [(True, False)]
+    assert not _any_armed(a)
