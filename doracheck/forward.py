@@ -164,6 +164,6 @@ def from_base_forward(result: torch.Tensor, x: torch.Tensor, a: LayerArgs, keep_
         _write(r2, y)
         if from_output:
             h = out  # saved as the output itself (a view of it would be refused)
-    if not need_saved or fn is None:
+    if not need_saved or fn is None or g is None:
         return out, None
     return out, Saved(x2, keep, xa, h, g, fn.norm, n_safe, None, None, backend, from_output, planner.DEFAULT)

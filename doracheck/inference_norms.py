@@ -69,7 +69,8 @@ class NormSlot:
         if tensors is None:
             return
         W, A, B = tensors
-        s = float(self.module.scaling[self.adapter])
+        scaling: dict = getattr(self.module, "scaling")  # noqa: B009 (PEFT's per-adapter dict; typed for mypy)
+        s = float(scaling[self.adapter])
         buffer = self.module._buffers.get(self.name)
         stamp = (era, s, id(W), id(A), id(B), W.data_ptr(), A.data_ptr(), B.data_ptr(), W._version, A._version, B._version,
                  W.dtype, A.dtype, B.dtype, W.device, id(buffer), None if buffer is None else buffer.dtype)

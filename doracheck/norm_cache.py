@@ -76,7 +76,7 @@ def era() -> int:
 def backward_seen() -> bool:
     """Whether a doracheck backward ran in this era (then no forward outside a backward may
     reuse a norm: rule 3)."""
-    return _era["backward_seen"]
+    return bool(_era["backward_seen"])
 
 
 def note_backward() -> None:

@@ -151,7 +151,8 @@ def _routed(model: nn.Module) -> list[tuple[nn.Module, str]]:
 def _entry_points(model: nn.Module) -> list[nn.Module]:
     """The modules whose forward runs a whole inference: the model given to ``enable`` and,
     for a PEFT model, the base model (its ``generate`` calls that one)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else None
+    get_base_model = getattr(model, "get_base_model", None)
+    base = get_base_model() if callable(get_base_model) else None
     return [model] if base is None or base is model else [model, base]
 
 
