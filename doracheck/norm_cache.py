@@ -40,6 +40,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
+from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -111,7 +112,7 @@ def _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude):
         return None
 
 
-_fsdp_seen: dict[str, object] = {"fingerprint": None, "active": False}
+_fsdp_seen: dict[str, Any] = {"fingerprint": None, "active": False}
 
 
 def _fsdp_state_class():
@@ -152,9 +153,11 @@ def fsdp_active() -> bool:
         return False
     data = getattr(_module_state_mapping, "data", None)  # the WeakKeyDictionary's dict, insertion-ordered
     newest = next(reversed(data), None) if data else None
-    fingerprint = (len(_module_state_mapping), id(newest))
-    if fingerprint != _fsdp_seen["fingerprint"]:
-        _fsdp_seen["fingerprint"] = fingerprint
+    # The newest key (a weak reference) is kept itself, not its id: a module registered after
+    # another died may get the dead one's address, and then its id (seen in a full test run).
+    seen = _fsdp_seen["fingerprint"]
+    if seen is None or seen[0] != len(_module_state_mapping) or seen[1] is not newest:
+        _fsdp_seen["fingerprint"] = (len(_module_state_mapping), newest)
         cls = _fsdp_state_class()
         if cls is not None:
             states = [s() if isinstance(s, weakref.ref) else s for s in list(_module_state_mapping.values())]
