@@ -5,31 +5,44 @@ decode step recomputed every layer's norm for every token (per layer a d_out×d_
 much work as r tokens of the layer itself; measured: compiled decode at 0.30x compiled PEFT
 LoRA's tokens/s). Here the norm becomes module state that the model refreshes:
 
-- ``attach(model, layers)`` (``integrations.peft.enable``) gives every accelerated (module,
-  adapter) a ``NormSlot``: max(n, eps) in fp32 as a non-persistent buffer of the module (not in
-  ``state_dict``; a static input to CUDA graphs), and puts two hooks on the model.
-- Before a forward without grad mode (evaluation, generation), the pre-hook brings every
-  buffer of that model up to date and *arms* its layers (a flag on each layer module); the
-  post-hook (called even when the forward raises) disarms them when the outermost hooked call
-  of that model ends. Both are excluded from tracing (``torch.compiler.disable``): a compiled
-  model gets one graph break before and one after its body.
+- ``attach(layers, entry_points)`` (``integrations.peft.enable``) gives every accelerated
+  (module, adapter) a ``NormSlot``: max(n, eps) in fp32 as a non-persistent buffer of the module
+  (not in ``state_dict``; a static input to CUDA graphs), and hooks the entry points: the PEFT
+  model (outer) and the base model its ``generate`` calls (inner), sharing one ``_Holder``.
+- Before a forward of an entry point, ``_prepare`` decides: without grad mode (evaluation,
+  generation) it brings every buffer up to date and *arms* those layers (a flag on each layer
+  module); otherwise it disarms them. The post-hook of the entry point that prepared disarms
+  them again (Python's ``KeyboardInterrupt`` skips it: then the next eager call of either
+  entry point, or the next era end, does). Traced inside the outer model's compiled body, the
+  inner hook does nothing when the outer one already prepared this forward.
+- ``_prepare`` and ``_finish`` are ``torch.compiler.disable``d and are called only where they
+  must run. When the base model's ``__call__`` alone is compiled (transformers does that for a
+  static cache in ``generate``) its traced hooks break the graph before and after the body and
+  run them eagerly, so the compiled decode step reads the buffers. When the outer model is
+  traced (``torch.compile(peft_model)``, with ``fullgraph=True`` too) no hook breaks the graph
+  and nothing is armed: that graph computes the norms itself.
 - An armed layer reads max(n, eps) from its buffer instead of computing the norm (eager: no
   per-layer cache lookup; compiled: the graph reads the buffer). Dynamo guards on the flag, so
-  a graph that reads buffers runs only for layers the pre-hook of their own model prepared; a
-  layer called any other way (a submodule on its own, inside another model's forward, a
-  training forward) computes its norm.
+  a graph that reads buffers runs only for layers their own model prepared; a layer called any
+  other way (a submodule on its own, inside another model's forward, a training forward)
+  computes its norm.
 
 When a buffer is refreshed is the norm-reuse rule of ``norm_cache`` for forwards without grad
 mode, checked per slot in a few attribute reads: recomputed when W, A or B is another tensor,
-at another address or at another version, when s changes, and after every optimizer step or
-training forward (a new era); not armed at all while a backward may have been followed by
-writes nothing sees (the era's ``backward_seen``) or under FSDP2. The one write nothing can see
-is the eager rule's too: ``param.data`` edits between two inference calls with no backward or
-optimizer step between them; call ``doracheck.clear_norm_cache()`` after those (it starts a new
-era, so every buffer is refreshed).
+at another address, of another shape or at another version, when s changes, and after every
+optimizer step or training forward (a new era); nothing is armed while a backward may have been
+followed by writes nothing sees (the era's ``backward_seen``) or under FSDP2, and a slot whose
+tensors are not the layer's 2-D matrices (FSDP1 or ZeRO-3 shards outside their unit's forward)
+leaves its layer unarmed. The one write nothing can see is the eager rule's too: ``param.data``
+edits between two inference calls with no backward or optimizer step between them (or after a
+backward that torch.compile compiled, which cannot record that it ran); call
+``doracheck.clear_norm_cache()`` after those (it ends the era: every buffer is refreshed).
 """
 
 from __future__ import annotations
+
+import threading
+import weakref
 
 import torch
 from torch import nn
@@ -43,7 +56,8 @@ _SLOTS = "_doracheck_norm_slots"  # on a hooked model: the list of its NormSlots
 _NAMES = "_doracheck_norm_buffers"  # on each layer module: {adapter: buffer name}
 _ARMED = "_doracheck_norms_armed"  # on each layer module: bool, read by the layer
 _HOOKS = "_doracheck_norm_hooks"
-_depth: dict[int, int] = {}  # id(slot list) -> hooked calls of that model now running
+_HOLDER = "_doracheck_norm_holder"  # on each entry point: the _Holder of its model
+_ROLE = "_doracheck_norm_role"  # on each entry point: "outer" or "inner"
 
 
 class NormSlot:
@@ -62,21 +76,27 @@ class NormSlot:
         except KeyError:  # delete_adapter: nothing reads this slot any more
             return None
 
-    def refresh(self, era: int) -> None:
-        """Recompute the buffer unless W, A, B (object, address, version), s, the era and the
-        buffer itself are those it was computed from."""
+    def refresh(self, era: int) -> bool:
+        """Bring the buffer up to date (recomputed unless W, A, B (object, address, shape,
+        version), s, the era and the buffer itself are those it was computed from). False when
+        the adapter is gone or the tensors are not the layer's matrices (sharded)."""
         tensors = self._tensors()
         if tensors is None:
-            return
+            return False
         W, A, B = tensors
+        fan_in_fan_out = self.module.fan_in_fan_out
+        if W.dim() != 2 or A.dim() != 2 or B.dim() != 2:
+            return False
+        d_out, d_in = (W.shape[1], W.shape[0]) if fan_in_fan_out else (W.shape[0], W.shape[1])
+        if A.shape[1] != d_in or tuple(B.shape) != (d_out, A.shape[0]):
+            return False
         scaling: dict = getattr(self.module, "scaling")  # noqa: B009 (PEFT's per-adapter dict; typed for mypy)
         s = float(scaling[self.adapter])
         buffer = self.module._buffers.get(self.name)
         stamp = (era, s, id(W), id(A), id(B), W.data_ptr(), A.data_ptr(), B.data_ptr(), W._version, A._version, B._version,
-                 W.dtype, A.dtype, B.dtype, W.device, id(buffer), None if buffer is None else buffer.dtype)
+                 W.shape, A.shape, W.dtype, A.dtype, B.dtype, W.device, id(buffer), None if buffer is None else buffer.dtype)
         if stamp == self.stamp:
-            return
-        fan_in_fan_out = self.module.fan_in_fan_out
+            return True
         with torch.no_grad(), our_numerics(W.device.type):
             backend = dispatch.backend_for(W, A, B)
             n_safe = torch.clamp_min(backend.factored_norm(W, A, B, s, fan_in_fan_out, False).norm, EPS)
@@ -88,6 +108,7 @@ class NormSlot:
             self.module.register_buffer(self.name, buffer, persistent=False)
         buffer.copy_(n_safe)
         self.stamp = (*stamp[:-2], id(buffer), buffer.dtype)
+        return True
 
 
 def norm_buffer(module: nn.Module, adapter: str) -> torch.Tensor | None:
@@ -99,43 +120,95 @@ def norm_buffer(module: nn.Module, adapter: str) -> torch.Tensor | None:
     return None if name is None else module._buffers.get(name)
 
 
-def _arm(slots: list, value: bool) -> None:
+class _Holder:
+    """What the entry points of one model share: its slots, and whether a forward of it is
+    prepared (read, and guarded on, by traced inner hooks)."""
+
+    def __init__(self, slots: list[NormSlot]):
+        self.slots = slots
+        self.prepared = False
+        self.owner: nn.Module | None = None  # the entry point whose forward prepared
+        self.outer_traced = False  # set while torch.compile traces the outer model's forward
+
+
+_lock = threading.RLock()
+_holders: weakref.WeakSet = weakref.WeakSet()
+
+
+def _arm(slots: list[NormSlot], value: bool) -> None:
     for slot in slots:
         slot.module.__dict__[_ARMED] = value
 
 
 @torch.compiler.disable
-def _before(model: nn.Module, args) -> None:
-    slots = model.__dict__.get(_SLOTS, [])
-    key = id(slots)
-    _depth[key] = _depth.get(key, 0) + 1
-    if _depth[key] > 1:
-        return  # a nested call of the same model: the outermost call prepared (or declined) it
-    if torch.is_grad_enabled() or tracing() or norm_cache.backward_seen() or norm_cache.fsdp_active():
-        _arm(slots, False)
-        return
-    era = norm_cache.era()
-    for slot in slots:
-        slot.refresh(era)
-    _arm(slots, True)
+def _prepare(model: nn.Module, holder: _Holder) -> None:
+    with _lock:
+        holder.prepared, holder.owner = True, model
+        if torch.is_grad_enabled() or tracing() or norm_cache.backward_seen() or norm_cache.fsdp_active():
+            _arm(holder.slots, False)
+            return
+        era = norm_cache.era()
+        for slot in holder.slots:
+            slot.module.__dict__[_ARMED] = False
+            if slot.refresh(era):
+                slot.module.__dict__[_ARMED] = True
+        for slot in holder.slots:  # a module with one slot that could not be refreshed stays unarmed
+            if slot.stamp is None or slot.stamp[0] != era:
+                slot.module.__dict__[_ARMED] = False
 
 
 @torch.compiler.disable
+def _finish(holder: _Holder) -> None:
+    with _lock:
+        _arm(holder.slots, False)
+        holder.prepared, holder.owner = False, None
+
+
+def _before(model: nn.Module, args) -> None:
+    holder = model.__dict__.get(_HOLDER)
+    if holder is None:
+        return
+    if torch.compiler.is_compiling():
+        # Traced. The outer model traced (torch.compile(peft_model), fullgraph or not): no
+        # graph break anywhere, nothing armed, the graph computes the norms. The inner model
+        # traced on its own (transformers compiles its __call__ for a static cache): a graph
+        # break, and _prepare runs eagerly before the compiled body.
+        if model.__dict__.get(_ROLE) == "outer":
+            holder.outer_traced = True
+            return
+        if holder.outer_traced or holder.prepared:
+            return
+    _prepare(model, holder)  # eager: decided again at every call (cheap when nothing changed)
+
+
 def _after(model: nn.Module, args, output) -> None:
-    slots = model.__dict__.get(_SLOTS, [])
-    key = id(slots)
-    left = _depth.pop(key, 1) - 1
-    if left > 0:
-        _depth[key] = left
-    else:
-        _arm(slots, False)
+    holder = model.__dict__.get(_HOLDER)
+    if holder is None:
+        return
+    if torch.compiler.is_compiling() and model.__dict__.get(_ROLE) == "outer":
+        holder.outer_traced = False
+        return
+    if holder.owner is model:
+        _finish(holder)
 
 
-def attach(model: nn.Module, layers: list[tuple[nn.Module, str]], entry_points: list[nn.Module]) -> None:
+def _on_era_end() -> None:
+    """A new era: whatever an interrupted forward left armed or prepared is undone."""
+    for holder in list(_holders):
+        if holder.prepared:
+            _arm(holder.slots, False)
+            holder.prepared, holder.owner = False, None
+
+
+norm_cache.on_era_end(_on_era_end)
+
+
+def attach(layers: list[tuple[nn.Module, str]], entry_points: list[nn.Module]) -> None:
     """A ``NormSlot`` for each (module, adapter) of ``layers``, and the hooks on each module of
-    ``entry_points`` (the model and, for a PEFT model, the base model its ``generate`` calls;
-    they share one slot list). Calling it again replaces what an earlier call attached."""
-    detach(model, entry_points)
+    ``entry_points`` (outermost first: the model and, for a PEFT model, the base model its
+    ``generate`` calls; they share one holder). Replaces what an earlier call attached there."""
+    for entry in entry_points:
+        _remove_hooks(entry)
     slots = []
     for module, adapter in layers:
         names = module.__dict__.setdefault(_NAMES, {})
@@ -143,21 +216,28 @@ def attach(model: nn.Module, layers: list[tuple[nn.Module, str]], entry_points: 
         names[adapter] = name
         module.__dict__[_ARMED] = False
         slots.append(NormSlot(module, adapter, name))
-    for entry in entry_points:
-        entry.__dict__[_SLOTS] = slots
+    holder = _Holder(slots)
+    _holders.add(holder)
+    for i, entry in enumerate(entry_points):
+        entry.__dict__[_HOLDER] = holder
+        entry.__dict__[_ROLE] = "outer" if i == 0 else "inner"
         entry.__dict__[_HOOKS] = (entry.register_forward_pre_hook(_before),
                                   entry.register_forward_hook(_after, always_call=True))
 
 
-def detach(model: nn.Module, entry_points: list[nn.Module]) -> None:
-    """Remove the hooks, the flags and every norm buffer ``attach`` added."""
-    for entry in entry_points:
-        for handle in entry.__dict__.pop(_HOOKS, ()):
-            handle.remove()
-        slots = entry.__dict__.pop(_SLOTS, None)
-        if slots is not None:
-            _depth.pop(id(slots), None)
+def _remove_hooks(entry: nn.Module) -> None:
+    for handle in entry.__dict__.pop(_HOOKS, ()):
+        handle.remove()
+    entry.__dict__.pop(_HOLDER, None)
+    entry.__dict__.pop(_ROLE, None)
+
+
+def detach(model: nn.Module) -> None:
+    """Remove every hook, flag and norm buffer ``attach`` added anywhere in ``model`` (a
+    ``torch.compile`` wrapper is looked through)."""
+    model = getattr(model, "_orig_mod", model)
     for module in model.modules():
+        _remove_hooks(module)
         module.__dict__.pop(_ARMED, None)
         for name in (module.__dict__.pop(_NAMES, None) or {}).values():
             module._buffers.pop(name, None)

@@ -56,9 +56,20 @@ _stats = {"hits": 0, "misses": 0}
 _era = {"number": 0, "backward_seen": False}
 
 
+_era_listeners: list = []  # called at the end of every era (inference_norms disarms its layers)
+
+
+def on_era_end(listener) -> None:
+    """Call ``listener()`` whenever an era ends (optimizer step, training forward after a
+    backward, ``clear_norm_cache``)."""
+    _era_listeners.append(listener)
+
+
 def _end_era() -> None:
     _era["number"] += 1
     _era["backward_seen"] = False
+    for listener in _era_listeners:
+        listener()
 
 
 def _on_optimizer_step(_optimizer, _args, _kwargs) -> None:

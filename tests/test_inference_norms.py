@@ -42,8 +42,10 @@ def norm_calls(monkeypatch):
 
     def counted_slot(self, era):
         before = self.stamp
-        slot_refresh(self, era)
+        refreshed = slot_refresh(self, era)
         calls["slot"] += self.stamp != before
+        return refreshed
+
     monkeypatch.setattr(forward_pass, "norm_and_scale", counted_layer)
     monkeypatch.setattr(inference_norms.NormSlot, "refresh", counted_slot)
     return calls
@@ -136,8 +138,9 @@ def test_disable_removes_the_hooks_and_the_buffers(model):
 
 
 def test_compiled_inference_reads_the_buffers_and_follows_an_update(model, monkeypatch):
-    """A graph with no norm in it (no square root: the norm's is the only one), the same numbers
-    as eager, and an in-place update of an adapter between calls seen by the next call."""
+    """The base model's ``__call__`` compiled (what transformers' generate compiles for a static
+    cache): a graph with no norm in it (no square root: the norm's is the only one), the same
+    numbers as eager, and an in-place update of an adapter between calls seen by the next call."""
     graphs = []
 
     def recording_backend(gm, example_inputs):
@@ -145,7 +148,7 @@ def test_compiled_inference_reads_the_buffers_and_follows_an_update(model, monke
         return gm.forward
 
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=recording_backend)
+    compiled = torch.compile(model.get_base_model().__call__, backend=recording_backend)  # as transformers' generate does
     ids = tokens(3)
     eager = _logits(model, ids)
     with torch.no_grad():
@@ -161,7 +164,7 @@ def test_a_compiled_graph_that_reads_buffers_runs_only_when_armed(model, monkeyp
     """After a backward (rule 3: not armed), hand-written updates must be seen by the compiled
     model: Dynamo's guard on the armed flag sends the call to a graph that computes the norm."""
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager")
+    compiled = torch.compile(model.get_base_model().__call__, backend="aot_eager")
     ids = tokens(4)
     with torch.no_grad():
         compiled(ids)  # compiled while armed
@@ -190,7 +193,7 @@ def test_cuda_graph_replays_of_a_compiled_model_follow_an_update():
     enable(m)
     m.eval()
     torch._dynamo.reset()
-    compiled = torch.compile(m, mode="reduce-overhead")
+    compiled = torch.compile(m.get_base_model().__call__, mode="reduce-overhead")  # as generate does
     ids = tokens(5, device="cuda")
     with torch.no_grad():
         for _ in range(3):
@@ -254,3 +257,74 @@ def test_only_the_called_models_layers_are_armed():
     handle.remove()
     assert seen == [(True, False)]
     assert not _any_armed(a)
+
+
+class _Interrupt(KeyboardInterrupt):
+    pass
+
+
+@pytest.mark.parametrize("then", ["optimizer_step", "in_place_update"])
+def test_an_interrupted_forward_leaves_nothing_stale(model, monkeypatch, then):
+    """Ctrl-C inside a forward skips every forward hook (torch calls ``always_call`` hooks on
+    ``Exception`` only); the next eager call of either entry point, or the next era, decides again."""
+    ids = tokens(7)
+    layer = model.base_model.model.model.layers[1].self_attn.o_proj
+
+    def interrupt(*_):
+        raise _Interrupt
+
+    handle = layer.register_forward_hook(interrupt)
+    with pytest.raises(_Interrupt), torch.no_grad():
+        model(ids)
+    handle.remove()
+    lora_B = model.base_model.model.model.layers[0].mlp.down_proj.lora_B["default"].weight
+    if then == "optimizer_step":
+        assert _any_armed(model)  # left armed by the interrupted call
+        lora_B.grad = torch.ones_like(lora_B)
+        torch.optim.SGD([lora_B], lr=0.5).step()  # an era ends: disarmed
+        assert not _any_armed(model)
+    else:
+        with torch.no_grad():
+            lora_B.mul_(2.0)
+    inner = model.get_base_model()
+    with torch.no_grad():
+        got = inner(ids).logits  # the base model alone (what generate calls)
+    assert torch.equal(got, _unarmed(monkeypatch, model, ids))
+
+
+def test_whole_model_fullgraph_compile_trains_and_infers():
+    """torch.compile(peft_model, fullgraph=True): the model's own hooks run around the compiled
+    body and the base model's hooks, traced inside it, return without a graph break."""
+    clear_norm_cache()
+    m = dora_model(0)
+    enable(m)
+    torch._dynamo.reset()
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    ids = tokens(8)
+    m.train()
+    compiled(ids, labels=ids).loss.backward()
+    m.eval()
+    with torch.no_grad():
+        assert torch.equal(compiled(ids).logits, m(ids).logits)
+        m.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight.mul_(1.5)
+        assert torch.equal(compiled(ids).logits, m(ids).logits)  # that graph computes its norms
+
+
+def test_sharded_tensors_leave_their_layer_unarmed(model):
+    """A slot whose W is not the layer's matrix (FSDP1 or ZeRO-3 shards outside their unit's
+    forward) is not refreshed and its layer not armed, rather than failing."""
+    slot = model.__dict__["_doracheck_norm_holder"].slots[0]
+    base = slot.module.get_base_layer()
+    weight = base.weight
+    try:
+        base._parameters["weight"] = torch.nn.Parameter(weight.detach().flatten(), requires_grad=False)
+        assert slot.refresh(0) is False
+    finally:
+        base._parameters["weight"] = weight
+
+
+def test_disable_through_a_compile_wrapper(model):
+    compiled = torch.compile(model, backend="aot_eager")
+    disable(compiled)
+    assert not model._forward_pre_hooks and not model.get_base_model()._forward_pre_hooks
+    assert not any("_doracheck_norm" in name for name, _ in model.named_buffers())

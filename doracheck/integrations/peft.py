@@ -131,7 +131,7 @@ def enable(model: nn.Module) -> nn.Module:
             module.__dict__.setdefault(_ORIGINALS, {})[adapter] = variant
             variants[adapter] = DoracheckDoraLinearVariant()
             accelerated += 1
-    inference_norms.attach(model, _routed(model), _entry_points(model))
+    inference_norms.attach(_routed(model), _entry_points(model))
     left = sum(len(where) for where in skipped.values())
     logger.info("doracheck: %d DoRA Linear adapters now run through doracheck, %d stay on PEFT's path", accelerated, left)
     for reason, where in skipped.items():
@@ -158,9 +158,10 @@ def _entry_points(model: nn.Module) -> list[nn.Module]:
 
 def disable(model: nn.Module) -> nn.Module:
     """Undo ``enable``: PEFT's own DoRA variant classes come back, the norm buffers and hooks
-    go; returns the model."""
-    inference_norms.detach(model, _entry_points(model))
-    for module in model.modules():
+    go (also through a ``torch.compile`` wrapper); returns the model. Call it before
+    ``merge_and_unload()``, whose returned base model would otherwise keep the hooks."""
+    inference_norms.detach(model)
+    for module in getattr(model, "_orig_mod", model).modules():
         originals = module.__dict__.pop(_ORIGINALS, None)
         if not originals:
             continue
