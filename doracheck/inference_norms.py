@@ -52,7 +52,6 @@ from .kernels.constants import EPS
 from .kernels.tracing import tracing
 from .numerics import our_numerics
 
-_SLOTS = "_doracheck_norm_slots"  # on a hooked model: the list of its NormSlots
 _NAMES = "_doracheck_norm_buffers"  # on each layer module: {adapter: buffer name}
 _ARMED = "_doracheck_norms_armed"  # on each layer module: bool, read by the layer
 _HOOKS = "_doracheck_norm_hooks"
@@ -173,10 +172,11 @@ def _before(model: nn.Module, args) -> None:
         # graph break anywhere, nothing armed, the graph computes the norms. The inner model
         # traced on its own (transformers compiles its __call__ for a static cache): a graph
         # break, and _prepare runs eagerly before the compiled body.
+        # (Not skipped when an earlier forward was left prepared, by Ctrl-C: decided again.)
         if model.__dict__.get(_ROLE) == "outer":
             holder.outer_traced = True
             return
-        if holder.outer_traced or holder.prepared:
+        if holder.outer_traced:
             return
     _prepare(model, holder)  # eager: decided again at every call (cheap when nothing changed)
 

@@ -328,3 +328,22 @@ def test_disable_through_a_compile_wrapper(model):
     disable(compiled)
     assert not model._forward_pre_hooks and not model.get_base_model()._forward_pre_hooks
     assert not any("_doracheck_norm" in name for name, _ in model.named_buffers())
+
+
+def test_an_interrupted_forward_then_a_compiled_base_model_call(model, monkeypatch):
+    """Ctrl-C leaves the model prepared; the compiled base model (as generate compiles it) still
+    decides again before its body, so an in-place update made meanwhile is seen."""
+    ids = tokens(9)
+    torch._dynamo.reset()
+    compiled = torch.compile(model.get_base_model().__call__, backend="aot_eager")
+
+    def interrupt(*_):
+        raise _Interrupt
+
+    handle = model.base_model.model.model.layers[0].mlp.up_proj.register_forward_hook(interrupt)
+    with pytest.raises(_Interrupt), torch.no_grad():
+        model(ids)
+    handle.remove()
+    with torch.no_grad():
+        model.base_model.model.model.layers[1].mlp.gate_proj.lora_B["default"].weight.mul_(2.0)
+        assert torch.equal(compiled(ids).logits, _unarmed(monkeypatch, model, ids))
