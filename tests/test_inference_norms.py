@@ -347,3 +347,13 @@ def test_an_interrupted_forward_then_a_compiled_base_model_call(model, monkeypat
     with torch.no_grad():
         model.base_model.model.model.layers[1].mlp.gate_proj.lora_B["default"].weight.mul_(2.0)
         assert torch.equal(compiled(ids).logits, _unarmed(monkeypatch, model, ids))
+
+
+def test_enable_without_norm_buffers(monkeypatch):
+    clear_norm_cache()
+    m = dora_model(0)
+    enable(m, norm_buffers=False)
+    m.eval()
+    ids = tokens(10)
+    assert torch.equal(_logits(m, ids), _unarmed(monkeypatch, m, ids))
+    assert not m._forward_pre_hooks and not any("_doracheck_norm" in name for name, _ in m.named_buffers())

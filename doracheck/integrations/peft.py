@@ -106,11 +106,16 @@ def _why_not(module: nn.Module, adapter: str) -> str | None:
     return None
 
 
-def enable(model: nn.Module) -> nn.Module:
+def enable(model: nn.Module, *, norm_buffers: bool = True) -> nn.Module:
     """Route every PEFT DoRA Linear adapter of ``model`` through doracheck, in place; says at
     INFO (logger "doracheck") how many adapters it routed and which stay on PEFT's path and
     why. Returns the model (the fixed API: ``model = enable(model)``); call it as a statement
-    with ``_ =`` in a REPL that would print the returned model."""
+    with ``_ =`` in a REPL that would print the returned model.
+
+    ``norm_buffers`` (default True): hook the model so that forwards without grad mode read
+    each layer's norm from a buffer refreshed once per forward (``doracheck.inference_norms``:
+    eager inference skips per-layer cache lookups, a compiled ``generate`` stops recomputing
+    norms). False: no hooks and no buffers; every layer computes or looks up its own norm."""
     accelerated = 0
     skipped: dict[str, list[str]] = {}
     for name, module in model.named_modules():
@@ -131,7 +136,10 @@ def enable(model: nn.Module) -> nn.Module:
             module.__dict__.setdefault(_ORIGINALS, {})[adapter] = variant
             variants[adapter] = DoracheckDoraLinearVariant()
             accelerated += 1
-    inference_norms.attach(_routed(model), _entry_points(model))
+    if norm_buffers:
+        inference_norms.attach(_routed(model), _entry_points(model))
+    else:
+        inference_norms.detach(model)
     left = sum(len(where) for where in skipped.values())
     logger.info("doracheck: %d DoRA Linear adapters now run through doracheck, %d stay on PEFT's path", accelerated, left)
     for reason, where in skipped.items():
