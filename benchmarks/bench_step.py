@@ -164,7 +164,9 @@ def main(argv=None) -> int:
         ap.error("--impl and --mode (or --all)")
     row = one_row(args)
     if args.row_out:
-        RowWriter(args.row_out).add(row)
+        writer = RowWriter(args.row_out, append=True)
+        writer.add(row)
+        writer.close()
     print(row, flush=True)
     return 0
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import csv
+import os
 
 
 class RowWriter:
-    """``add(row)`` writes one dict row (the first row fixes the columns); no file: no-op."""
+    """``add(row)`` writes one dict row (the first row fixes the columns); no file: no-op.
+    ``append=True`` adds to an existing file (its header kept) instead of starting it again."""
 
-    def __init__(self, path: str | None):
-        self._file = open(path, "w", newline="") if path else None  # noqa: SIM115 (closed in close())
+    def __init__(self, path: str | None, append: bool = False):
+        self._fresh = not (append and path and os.path.exists(path) and os.path.getsize(path) > 0)
+        self._file = open(path, "a" if append else "w", newline="") if path else None  # noqa: SIM115 (closed in close())
         self._writer: csv.DictWriter | None = None
 
     def add(self, row: dict) -> None:
@@ -17,7 +20,8 @@ class RowWriter:
             return
         if self._writer is None:
             self._writer = csv.DictWriter(self._file, fieldnames=list(row))
-            self._writer.writeheader()
+            if self._fresh:
+                self._writer.writeheader()
         self._writer.writerow(row)
         self._file.flush()
 
