@@ -48,6 +48,14 @@ def in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def norm_with_floor(backend: Backend, weight, lora_A, lora_B, scaling: float, fan_in_fan_out: bool, need_factors: bool = False):
+    """(FactoredNorm, max(n, eps)), without autograd: the one place both are formed, for the
+    layer and for ``inference_norms``' buffers alike (so a buffer is bitwise the layer's own)."""
+    with torch.no_grad():
+        fn = backend.factored_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out, need_factors)
+        return fn, torch.clamp_min(fn.norm, EPS)
+
+
 def norm_and_scale(backend: Backend, a: LayerArgs, *, need_g: bool, recording: bool):
     """(FactoredNorm, g = m / max(n, eps) or None, max(n, eps)). The norm and max(n, eps) may
     come from the norm cache (``norm_cache.lookup_or_compute`` says when); g is recomputed
@@ -56,9 +64,7 @@ def norm_and_scale(backend: Backend, a: LayerArgs, *, need_g: bool, recording: b
     the compose divides m by max(n, eps) itself. ``recording``: autograd records this forward."""
 
     def compute(need_factors: bool):
-        with torch.no_grad():
-            fn = backend.factored_norm(a.weight, a.lora_A, a.lora_B, a.scaling, a.fan_in_fan_out, need_factors)
-            return fn, torch.clamp_min(fn.norm, EPS)
+        return norm_with_floor(backend, a.weight, a.lora_A, a.lora_B, a.scaling, a.fan_in_fan_out, need_factors)
 
     if a.detach_norm:  # U, G are not needed: the cache keeps the four d_out vectors and n_safe
         fn, n_safe = norm_cache.lookup_or_compute(

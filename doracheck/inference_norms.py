@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from . import dispatch, norm_cache
-from .kernels.constants import EPS
+from .forward import norm_with_floor
 from .kernels.tracing import tracing
 from .numerics import our_numerics
 
@@ -83,7 +83,7 @@ class NormSlot:
         if tensors is None:
             return False
         W, A, B = tensors
-        fan_in_fan_out = self.module.fan_in_fan_out
+        fan_in_fan_out = bool(getattr(self.module, "fan_in_fan_out", False))
         if W.dim() != 2 or A.dim() != 2 or B.dim() != 2:
             return False
         d_out, d_in = (W.shape[1], W.shape[0]) if fan_in_fan_out else (W.shape[0], W.shape[1])
@@ -96,9 +96,8 @@ class NormSlot:
                  W.shape, A.shape, W.dtype, A.dtype, B.dtype, W.device, id(buffer), None if buffer is None else buffer.dtype)
         if stamp == self.stamp:
             return True
-        with torch.no_grad(), our_numerics(W.device.type):
-            backend = dispatch.backend_for(W, A, B)
-            n_safe = torch.clamp_min(backend.factored_norm(W, A, B, s, fan_in_fan_out, False).norm, EPS)
+        with our_numerics(W.device.type):
+            _, n_safe = norm_with_floor(dispatch.backend_for(W, A, B), W, A, B, s, fan_in_fan_out)
         if buffer is None or buffer.shape != n_safe.shape or buffer.dtype != n_safe.dtype or buffer.device != n_safe.device:
             # First use, or moved / cast by .to(). Made outside inference mode, so that a buffer
             # first filled under torch.inference_mode() can still be rewritten under no_grad.

@@ -104,16 +104,22 @@ def test_a_buffer_follows_every_change_the_rule_sees(model, norm_calls, monkeypa
     assert torch.equal(after, _unarmed(monkeypatch, model, ids))
 
 
+def _backward_then_hand_update(m, ids, lr: float) -> None:
+    """A training backward, then the tutorial update ``p.data -= lr * p.grad``: no version
+    change and no optimizer step."""
+    m.train()
+    m(ids, labels=ids).loss.backward()
+    m.eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.grad is not None:
+                p.data.add_(p.grad, alpha=-lr)
+
+
 def test_not_armed_between_a_backward_and_the_next_step(model, norm_calls):
     """Rule 3: once a backward ran, parameters may be written by hand at any time."""
     ids = tokens(2)
-    model.train()
-    model(ids, labels=ids).loss.backward()
-    model.eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p.data.add_(p.grad, alpha=-1e-2)  # a tutorial update: no version change
+    _backward_then_hand_update(model, ids, lr=1e-2)
     norm_calls["layer"] = 0
     _logits(model, ids)
     assert norm_calls["layer"] == 14  # every layer computed its norm from the parameters of the moment
@@ -168,13 +174,8 @@ def test_a_compiled_graph_that_reads_buffers_runs_only_when_armed(model, monkeyp
     ids = tokens(4)
     with torch.no_grad():
         compiled(ids)  # compiled while armed
-    model.train()
-    model(ids, labels=ids).loss.backward()
-    model.eval()
+    _backward_then_hand_update(model, ids, lr=1e-1)
     with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p.data.add_(p.grad, alpha=-1e-1)  # no version change, no optimizer step
         assert torch.equal(compiled(ids).logits, _unarmed(monkeypatch, model, ids))
 
 
