@@ -166,7 +166,7 @@ def _rowdot_kernel(
 
 @triton.jit
 def _norm_finish_kernel(
-    base_ptr, cross_ptr, lora_ptr, norm_ptr,  # out: (M,) fp32 each
+    terms_ptr, stride_tr,  # out: (4, M) fp32 rows base, cross, lora, norm
     cross_part_ptr, stride_cp, n_cross,  # (n_cross, M) fp32 partials of the cross term
     sq_ptr, stride_sp, n_sq,  # (n_sq, M) fp32 partials of the base term
     lora_part_ptr, stride_lp, n_lora,  # (n_lora, M) fp32 partials of the lora term
@@ -174,7 +174,8 @@ def _norm_finish_kernel(
     BLOCK: tl.constexpr,
 ):
     """base = Σ_p sq[p], cross = Σ_p cross_part[p], lora = Σ_p lora_part[p] (p in order:
-    deterministic); norm = sqrt(max(base + 2s·cross + s²·lora, 0)) (NaN propagates), all fp32."""
+    deterministic); norm = sqrt(max(base + 2s·cross + s²·lora, 0)) (NaN propagates), all fp32,
+    stored as the rows of ``terms`` (one output tensor: no two pointer arguments alias one)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < M
     s = tl.cast(scaling, tl.float32)
@@ -189,10 +190,10 @@ def _norm_finish_kernel(
         base += tl.load(sq_ptr + p * stride_sp + rows, mask=ok, other=0.0)
     squared = base + (2.0 * s) * cross + (s * s) * lora
     squared = tl.where(squared < 0.0, 0.0, squared)  # rounding below 0 where W cancels s·B·A; NaN stays
-    tl.store(base_ptr + rows, base, mask=ok)
-    tl.store(cross_ptr + rows, cross, mask=ok)
-    tl.store(lora_ptr + rows, lora, mask=ok)
-    tl.store(norm_ptr + rows, tl.sqrt_rn(squared), mask=ok)
+    tl.store(terms_ptr + rows, base, mask=ok)
+    tl.store(terms_ptr + stride_tr + rows, cross, mask=ok)
+    tl.store(terms_ptr + 2 * stride_tr + rows, lora, mask=ok)
+    tl.store(terms_ptr + 3 * stride_tr + rows, tl.sqrt_rn(squared), mask=ok)
 
 
 @triton.jit
@@ -230,15 +231,18 @@ def _dot_setup(x_dtype: torch.dtype, y_dtype: torch.dtype, pieces: int = 2):
 _HAS_MM_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
 
 
-def gram_triton(lora_A: torch.Tensor) -> torch.Tensor:
+def gram_triton(lora_A: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """G = A·Aᵀ in fp32 (r, r), deterministic split-K: exact products for 16-bit A
     (tensor cores, fp32 accumulation), tf32x3 for fp32 A.
 
     16-bit A on CUDA goes to cuBLAS instead, through its fp32-output GEMM (``aten::mm.dtype``,
     torch >= 2.8): the same exact products and fp32 accumulation, one op instead of three, and
     faster (H200, r = 384, d_in = 8192: 9.5 µs against 17.0 µs for this kernel, GPU time from
-    graph replays; benchmarks/results/kernels_h200.csv). cuBLAS is deterministic on one stream."""
+    graph replays; benchmarks/results/kernels_h200.csv). cuBLAS is deterministic on one stream.
+    ``out``: an fp32 (r, r) tensor to write G into (the same bits as a new one)."""
     if lora_A.is_cuda and lora_A.dtype in (torch.bfloat16, torch.float16) and _HAS_MM_DTYPE:
+        if out is not None:
+            return torch.mm(lora_A, lora_A.t(), out_dtype=torch.float32, out=out)
         return torch.mm(lora_A, lora_A.t(), out_dtype=torch.float32)
     r, d_in = lora_A.shape
     dot_dtype, split_lo, precision = _dot_setup(lora_A.dtype, lora_A.dtype)
@@ -247,7 +251,7 @@ def gram_triton(lora_A: torch.Tensor) -> torch.Tensor:
     splits = max(1, triton.cdiv(d_in, k_per_split))
     part = torch.empty(splits, r, r, dtype=torch.float32, device=lora_A.device)
     if d_in == 0:
-        return part.zero_()[0]
+        return part.zero_()[0] if out is None else out.zero_()
     grid = (triton.cdiv(r, cfg.block_i), triton.cdiv(r, cfg.block_i), splits)
     launcher(_gram_kernel)[grid](
         part, part.stride(0), part.stride(1), part.stride(2),
@@ -256,6 +260,8 @@ def gram_triton(lora_A: torch.Tensor) -> torch.Tensor:
         DOT_DTYPE=dot_dtype, SPLIT_LO=split_lo, PRECISION=precision, INTERPRET=interpreting(),
         BLOCK_I=cfg.block_i, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if out is not None:
+        return torch.sum(part, 0, out=out) if splits > 1 else out.copy_(part[0])
     return part.sum(0) if splits > 1 else part[0]
 
 
@@ -306,22 +312,43 @@ def rowdot_parts(
     return part, sq
 
 
-def norm_finish(cross_part: torch.Tensor, sq: torch.Tensor, lora_part: torch.Tensor, scaling: float):
-    """(base, cross, lora, norm), fp32 (M,) each, from the row-dot partials (``sq``: (splits, M)):
-    one launch for the ordered sums and ``combine_terms`` (which took six ops on the host)."""
+def norm_finish(cross_part: torch.Tensor, sq: torch.Tensor, lora_part: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The terms as the rows of one fp32 (4, M) tensor, (base, cross, lora, norm), from the
+    row-dot partials (``sq``: (splits, M)): one launch for the ordered sums and ``combine_terms``
+    (which took six ops on the host). One tensor, so a graph replay copies it out in one op."""
     M = sq.shape[1]
-    base, cross, lora, norm = (torch.empty(M, dtype=torch.float32, device=sq.device) for _ in range(4))
+    terms = torch.empty(4, M, dtype=torch.float32, device=sq.device)
     if M:
         block = 1024 if not interpreting() else 32
         launcher(_norm_finish_kernel)[(triton.cdiv(M, block),)](
-            base, cross, lora, norm,
+            terms, terms.stride(0),
             cross_part, cross_part.stride(0), cross_part.shape[0],
             sq, sq.stride(0), sq.shape[0],
             lora_part, lora_part.stride(0), lora_part.shape[0],
             M, float(scaling),
             BLOCK=block, num_warps=4,
         )
-    return base, cross, lora, norm
+    return terms
+
+
+def terms_from_gram(
+    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, G: torch.Tensor, scaling: float, fan_in_fan_out: bool
+) -> torch.Tensor:
+    """(4, d_out) fp32 rows (base, cross, lora, norm) given G = A·Aᵀ: the three Triton launches
+    of the norm after the Gram product (what ``norm_graphs`` captures)."""
+    if fan_in_fan_out:
+        strides = (weight.stride(1), weight.stride(0))
+    else:
+        strides = (weight.stride(0), weight.stride(1))
+    cross_part, sq = rowdot_parts(weight, strides, lora_A, lora_B, compute_base=True)
+    assert sq is not None  # compute_base=True always returns the base term
+    # lora_i = Σ_j B_ij·(B·G)_ij: the same kernel with X = B (dots in W's 16-bit dtype when B
+    # is an exact 16-bit adapter; tf32x3 for fp32 B), Y = G (split hi + lo), C = B.
+    # fp16 B would split G into fp16 pieces, which overflow once ||A_i||² > 65504: use B in fp32
+    # (tf32x3; this GEMM has K = r, so it is cheap) unless B is bf16, whose range is fp32's.
+    B_dot = lora_B if lora_B.dtype != torch.float16 else lora_B.float()
+    lora_part, _ = rowdot_parts(B_dot, (B_dot.stride(0), B_dot.stride(1)), G, B_dot, compute_base=False, pieces=3)
+    return norm_finish(cross_part, sq, lora_part, scaling)
 
 
 def factored_norm_triton(
@@ -334,18 +361,6 @@ def factored_norm_triton(
 ) -> FactoredNorm:
     """Same contract as ``factored_norm_torch`` (fp32 terms); ``U`` is not materialised (None),
     ``G`` is the fp32 Gram matrix A·Aᵀ."""
-    if fan_in_fan_out:
-        strides = (weight.stride(1), weight.stride(0))
-    else:
-        strides = (weight.stride(0), weight.stride(1))
     G = gram_triton(lora_A)
-    cross_part, sq = rowdot_parts(weight, strides, lora_A, lora_B, compute_base=True)
-    assert sq is not None  # compute_base=True always returns the base term
-    # lora_i = Σ_j B_ij·(B·G)_ij: the same kernel with X = B (dots in W's 16-bit dtype when B
-    # is an exact 16-bit adapter; tf32x3 for fp32 B), Y = G (split hi + lo), C = B.
-    # fp16 B would split G into fp16 pieces, which overflow once ||A_i||² > 65504: use B in fp32
-    # (tf32x3; this GEMM has K = r, so it is cheap) unless B is bf16, whose range is fp32's.
-    B_dot = lora_B if lora_B.dtype != torch.float16 else lora_B.float()
-    lora_part, _ = rowdot_parts(B_dot, (B_dot.stride(0), B_dot.stride(1)), G, B_dot, compute_base=False, pieces=3)
-    base, cross, lora, norm = norm_finish(cross_part, sq, lora_part, scaling)
+    base, cross, lora, norm = terms_from_gram(weight, lora_A, lora_B, G, scaling, fan_in_fan_out).unbind(0)
     return FactoredNorm(base, cross, lora, norm, None, G)

@@ -7,7 +7,8 @@ fake (meta) implementation is its own body: shapes and dtypes come from the same
 
 In eager mode the functions below call the implementations directly (``call``): going
 through the dispatcher and ``wrap_triton`` costs about 0.2 ms of CPU per call, which would
-dominate decode (T = 1) on an H200.
+dominate decode (T = 1) on an H200. The eager norm is replayed from a CUDA graph of its
+launches where ``norm_graphs`` allows it.
 
 Every registered op is functional (no argument is mutated). In eager, ``call`` writes y in
 place into the base output (``lora_up_compose_`` and ``lora_up_compose_save_z_``, saving a
@@ -38,7 +39,8 @@ from torch.library import triton_op
 from .compose_torch import magnitude_scale
 from .compose_triton import grad_scale_dm_triton, lora_up_compose_triton
 from .lost_rows_triton import dm_lost_rows_triton
-from .norm_triton import factored_norm_triton
+from .norm_graphs import graphed_norm
+from .norm_triton import factored_norm_triton, gram_triton, terms_from_gram
 from .triton_common import tracing
 
 
@@ -47,6 +49,19 @@ def _factored_norm(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     result = factored_norm_triton(weight, lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out)
     return result.base, result.cross, result.lora, result.norm
+
+
+def _factored_norm_eager(
+    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, fan_in_fan_out: bool
+) -> tuple[torch.Tensor, ...]:
+    """Eager: replayed from a CUDA graph where ``norm_graphs`` allows it (bitwise the same
+    launches), else launched."""
+    terms = graphed_norm(
+        weight, lora_A, lora_B, scaling, fan_in_fan_out,
+        gram=lambda out: gram_triton(lora_A, out=out),
+        terms=lambda G: terms_from_gram(weight, lora_A, lora_B, G, scaling, fan_in_fan_out),
+    )
+    return terms.unbind(0) if terms is not None else _factored_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out)
 
 
 def _lora_up_compose_(
@@ -130,7 +145,7 @@ grad_scale_dm_op = triton_op("doracheck::grad_scale_dm", _grad_scale_dm, mutates
 dm_lost_rows_op = triton_op("doracheck::dm_lost_rows", _dm_lost_rows, mutates_args=())
 
 _EAGER: dict[str, Callable[..., Any]] = {
-    "factored_norm": _factored_norm,
+    "factored_norm": _factored_norm_eager,
     "lora_up_compose_": _lora_up_compose_,
     "lora_up_compose_save_z_": _lora_up_compose_save_z_,
     "lora_up_compose_dropout": _lora_up_compose_dropout,

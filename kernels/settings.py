@@ -89,7 +89,12 @@ def rowdot_config(M: int, N: int, K: int, x_dtype, split_lo: int) -> RowdotConfi
     # repeatable), while 64-wide tiles matched fp64 to 4.4e-6 and repeated bitwise at every r
     # probed (16..1024), in 35-132 µs against 34-131 µs. That bug is why the whole-layer bitwise
     # determinism test failed (it ran r = 128), not cuBLAS.
-    block_n = min(_pow2_at_least(N, 16, 256), 64)
+    # And exactly 64 wide below that too: 32-wide tiles (N = 25..32) got the cross term 0.4-1.3%
+    # wrong and not repeatable at r = 32 (not at r = 24) on the H200 (triton 3.6;
+    # benchmarks/norm_repeat_probe.py, 2026-12-01, 640×384 and 4096×4096: shipped 32-wide tiles
+    # err 5.8e-3 / 4.8e-3, 64-wide 3.6e-7 / 4.4e-6 and bitwise repeatable at r = 8..96, found by
+    # the norm-graph tests comparing two eager calls). Masked columns cost little at r <= 32.
+    block_n = 64
     stages = 3 if (N > 128 or split_lo > 1 or x_dtype.itemsize == 4) else 4
     block_k = 32 if x_dtype.itemsize == 4 else 64
     return RowdotConfig(128, block_n, block_k, 8, stages)
@@ -127,8 +132,13 @@ def grad_config(T: int, d_out: int) -> GradConfig:
 # exceed this many bytes, so the training peak stays near plain nn.Linear's (y + dx).
 # H200, 8192×8192, r = 384, T = 4096, bf16 (benchmarks/bench_layer.py, 2026-11-29): without
 # chunking and with an out-of-place addmm the fwd+bwd peak was 262 MiB above resident against
-# nn.Linear's 128 MiB.
-BACKWARD_CHUNK_BYTES = 16 * 1024 * 1024
+# nn.Linear's 128 MiB. Each chunk costs two host calls (the dz/dm launch and dx += dz·W), which
+# the host-bound eager step pays: H200, 2026-12-01 (benchmarks/chunk_memory.py, ab_step.py,
+# results/norm_graphs_h200.txt): fwd+bwd peak 158 / 174 / 204 MiB at 16 / 32 / 64 MiB against
+# the 192 MiB bound tests/test_kernels_gpu.py holds (1.25 × nn.Linear's 128 + 32); model step
+# + fused AdamW, host CPU per step at 16 / 32 MiB: 98.1 / 93.1 ms and, on another host, 107.4 /
+# 98.5 ms (one process each, configurations interleaved; results/ab_step_h200_run{1,2}.csv).
+BACKWARD_CHUNK_BYTES = 32 * 1024 * 1024
 
 
 def backward_token_chunk(T: int, d_out: int, itemsize: int) -> int:
@@ -140,9 +150,11 @@ def backward_token_chunk(T: int, d_out: int, itemsize: int) -> int:
 def triton_norm_memory_bound(d_out: int, d_in: int, r: int, lora_B_dtype: torch.dtype | None = None) -> int:
     """Bytes the Triton factored norm allocates: the Gram partials (splits, r, r) and G, the
     per-column-tile partials of cross and lora (2 × n_tiles × d_out), Σ W² and the four term vectors;
+    four more d_out vectors when the norm is replayed from a CUDA graph (kernels/norm_graphs.py:
+    the graph's static output and the copy handed out; the call that captures holds both);
     plus an fp32 copy of B (d_out × r) when B is fp16 (the lora term's GEMM runs on it, since
     fp16 pieces of G would overflow; norm_triton.factored_norm_triton)."""
     cfg = gram_config(r, d_in)
     n_tiles = -(-r // 128) + 1 if r else 1  # partial rows per term: at most this, any config above
     b_copy = d_out * r if lora_B_dtype == torch.float16 else 0
-    return 4 * (r * r * (cfg.splits + 1) + d_out * (2 * n_tiles + 5) + b_copy)
+    return 4 * (r * r * (cfg.splits + 1) + d_out * (2 * n_tiles + 9) + b_copy)

@@ -70,15 +70,17 @@ def test_timed_plan_measures_each_candidate_once():
 
 def test_whole_is_no_variant_where_dz_fits_in_one_chunk():
     """With one backward chunk, "+whole" runs the same program as the default: not a candidate."""
-    from doracheck.kernels.settings import backward_token_chunk
+    from doracheck.kernels.settings import BACKWARD_CHUNK_BYTES, backward_token_chunk
 
-    for T in (1, 256):
+    for T in (1, 256, 3000):
         assert backward_token_chunk(T, 4096, 2) == T
         names = [v.name for v in candidates(4096, 4096, 64, T, torch.bfloat16, True)]
         assert names == ["factored", "factored+recompute_xa"]
-    # two chunks (23 MiB of dz against 16 MiB chunks), and the whole of dz fits the allowance
-    assert backward_token_chunk(3000, 4096, 2) < 3000
-    assert "factored+whole" in [v.name for v in candidates(4096, 4096, 8, 3000, torch.bfloat16, True)]
+    # two chunks (36 MiB of dz against 32 MiB chunks), and the rest of dz fits the allowance
+    assert BACKWARD_CHUNK_BYTES == 32 * 2**20 and backward_token_chunk(4608, 4096, 2) < 4608
+    assert "factored+whole" in [v.name for v in candidates(4096, 4096, 8, 4608, torch.bfloat16, True)]
+    # far over one chunk (120 MiB of dz), the whole of it does not
+    assert "factored+whole" not in [v.name for v in candidates(4096, 4096, 8, 15360, torch.bfloat16, True)]
 
 
 def test_measure_variants_times_each_candidate_on_shared_inputs():

@@ -1,0 +1,122 @@
+"""Eager step + fused AdamW (gradient checkpointing), several configurations interleaved in ONE
+process: the lent hosts differ by ±30% in host speed, and this step is host-bound, so two
+configurations are compared only within one process, round by round.
+
+Configurations: ``lora`` (PEFT LoRA, bf16 adapters) and ``dc:graphs=G,chunk=C`` (doracheck on
+the same PEFT DoRA model, CUDA-graph norm replays on (1) or off (0), backward chunk budget C MiB).
+Each round runs every configuration for ``--steps`` timed steps after one untimed step; the
+row is the median over all rounds (CUDA events), with the host CPU time per step (process CPU
+time, all threads) beside it.
+
+    python benchmarks/ab_step.py --configs 'lora;dc:graphs=1,chunk=16;dc:graphs=0,chunk=16' --csv out.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+from bench_model import build
+from llama_model import add_llama_args
+from row_csv import RowWriter
+
+from doracheck.kernels import norm_graphs, settings
+from doracheck.timing import quantile
+
+
+def parse_configs(text: str) -> list[tuple[str, dict]]:
+    """'lora;dc:graphs=1,chunk=16' (';' between configurations) -> [(name, settings)]."""
+    out = []
+    for part in text.split(";"):
+        kind, _, rest = part.partition(":")
+        opts = dict(kv.split("=") for kv in rest.split(",")) if rest else {}
+        out.append((part, {"kind": kind, **opts}))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_llama_args(ap)
+    ap.add_argument("--configs", default="lora;dc:graphs=1,chunk=16;dc:graphs=0,chunk=16;dc:graphs=1,chunk=32")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--csv")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--new-tokens", type=int, default=0)
+    args, _ = ap.parse_known_args(argv)
+    configs = parse_configs(args.configs)
+    models = {}
+    for kind, impl in (("lora", "peft_lora_bf16"), ("dc", "doracheck_bf16")):
+        if any(c["kind"] == kind for _, c in configs):
+            model = build(impl, args, checkpointing=True)
+            model.train()
+            params = [p for p in model.parameters() if p.requires_grad]
+            models[kind] = (model, torch.optim.AdamW(params, lr=1e-5, fused=True))
+    ids = torch.randint(0, 32000, (1, args.seq), generator=torch.Generator().manual_seed(1)).to(args.device)
+
+    def step(kind):
+        model, opt = models[kind]
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def apply(c):
+        os.environ["DORACHECK_NORM_GRAPHS"] = c.get("graphs", "1")
+        settings.BACKWARD_CHUNK_BYTES = int(float(c.get("chunk", "16")) * 2**20)
+
+    cuda = args.device == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    gpu_ms = {name: [] for name, _ in configs}
+    cpu_ms = {name: [] for name, _ in configs}
+    for _ in range(args.rounds):
+        for name, c in configs:
+            apply(c)
+            step(c["kind"])  # untimed: the first step after a switch
+            sync()
+            for _ in range(args.steps):
+                c0, w0 = time.process_time(), time.perf_counter()
+                if cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                step(c["kind"])
+                if cuda:
+                    end.record()
+                c1 = time.process_time()
+                sync()
+                gpu_ms[name].append(start.elapsed_time(end) if cuda else (time.perf_counter() - w0) * 1e3)
+                cpu_ms[name].append((c1 - c0) * 1e3)
+    writer = RowWriter(args.csv) if args.csv else None
+    import peft
+    import triton
+
+    versions = {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "triton": triton.__version__,
+                "peft": peft.__version__}
+    base = None
+    print(f"{'config':32s} {'ms':>8s} {'p20':>8s} {'p80':>8s} {'host cpu ms':>12s} {'x lora':>7s}")
+    for name, _ in configs:
+        t, h = sorted(gpu_ms[name]), sorted(cpu_ms[name])
+        med = quantile(t, 0.5)
+        base = med if name == "lora" else base
+        ratio = med / base if base else float("nan")
+        print(f"{name:32s} {med:8.2f} {quantile(t, 0.2):8.2f} {quantile(t, 0.8):8.2f} {quantile(h, 0.5):12.2f} {ratio:7.3f}")
+        if writer:
+            writer.add({"config": name, "mode": "eager_gc", "optimizer": "adamw_fused", "value": round(med, 3),
+                        "p20": round(quantile(t, 0.2), 3), "p80": round(quantile(t, 0.8), 3), "unit": "ms",
+                        "host_cpu_ms": round(quantile(h, 0.5), 2), "ratio_to_lora": round(ratio, 3),
+                        "samples": len(t), "seq": args.seq, "rank": args.rank, "layers": args.layers,
+                        "dtype": "bf16", **versions})
+    if writer:
+        writer.close()
+    print("norm graphs:", norm_graphs.stats(), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""The Triton factored norm replayed from a CUDA graph: one host call instead of its launches.
+
+A factored norm on the Triton path is a cuBLAS Gram product, two row-dot launches, a finish
+launch and five allocations. Its GPU work is 39-246 µs at the benchmark shapes, its host time
+0.30-0.36 ms (H200 host, torch 2.11, triton 3.6; docs/design.md section 7), and a training
+forward pays it every step (the norm changes with every optimizer step). The norm of one
+layer reads the same tensors at the same addresses step after step (optimizers write
+parameters in place), so its launches after the Gram product are captured once into a CUDA
+graph and replayed (G = A·Aᵀ is written eagerly into a buffer the graph reads):
+the replay reads whatever W, A and B hold at replay time, so it is exact for the current
+values by construction, whatever wrote them (fused AdamW, ``p.data``, ``load_state_dict`` in
+place): nothing is cached but the launches.
+
+When a graph is used (``graphed_norm`` returns None otherwise and the caller launches):
+- W, A and B are plain CUDA tensors (or Parameters), not while torch.compile traces and not
+  while the current stream is being captured (a graph cannot be replayed inside a capture);
+- the key has been seen ``CAPTURE_AFTER`` times (the first call compiles the kernels and a
+  tensor seen once, a temporary, is not worth a capture). The key is everything a replay
+  depends on: each tensor's address, shape, strides and dtype, the device, the current
+  stream, s, ``fan_in_fan_out`` and the reduced-precision-reduction flags cuBLAS reads at
+  capture. A tensor at the key's address with the key's layout is the tensor the graph reads.
+- ``DORACHECK_NORM_GRAPHS=0`` in the environment turns graphs off.
+
+Memory: all graphs of one (device, stream) share one memory pool, and all graphs of one rank
+one G, so temporaries are held about once, not once per layer; each graph keeps its (4, d_out)
+fp32 output (229 KiB at d_out = 14336). Sharing is safe because a replay's output is copied out
+(one ``clone``) on the same stream before any other graph of that pool can be replayed, and
+G is written on that stream just before the replay that reads it: nothing a replay writes is
+read after the next replay. At most ``MAX_GRAPHS`` graphs are kept (least recently used dropped).
+
+Bitwise: a replay runs the same kernels with the same launch configurations as the eager
+launches, so its terms are bitwise the eager norm's (tests/test_norm_graphs.py, GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .tracing import tracing
+
+CAPTURE_AFTER = 2  # sightings of a key before it is captured
+MAX_GRAPHS = 2048
+MAX_SEEN = 8192
+
+_lock = threading.Lock()
+_graphs: OrderedDict[tuple, tuple] = OrderedDict()  # key -> (graph, stacked (4, d_out) static output)
+_seen: OrderedDict[tuple, int] = OrderedDict()  # key -> sightings before capture
+_pools: dict[tuple, Any] = {}  # (device, stream) -> memory pool handle shared by its graphs
+_grams: dict[tuple, torch.Tensor] = {}  # (device, stream, r) -> the fp32 (r, r) G every graph of that r reads
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+_stats = {"captures": 0, "replays": 0}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def enabled() -> bool:
+    return os.environ.get("DORACHECK_NORM_GRAPHS", "1") != "0"
+
+
+def stats() -> dict:
+    """{"captures", "replays", "graphs"}: counts since the last ``clear``."""
+    with _lock:
+        return {**_stats, "graphs": len(_graphs)}
+
+
+def clear() -> None:
+    """Drop every graph and sighting (their pools are freed with them)."""
+    with _lock:
+        _graphs.clear()
+        _seen.clear()
+        _pools.clear()
+        _grams.clear()
+        _stats.update(captures=0, replays=0)
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+
+
+def _key(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, fan_in_fan_out: bool) -> tuple | None:
+    """The replay key, or None where a graph may not be used for this call."""
+    if not (type(weight) in _PLAIN and type(lora_A) in _PLAIN and type(lora_B) in _PLAIN):
+        return None  # subclasses (DTensor, fake, functional tensors) and anything not a plain tensor
+    if not (weight.is_cuda and lora_A.is_cuda and lora_B.is_cuda) or weight.numel() == 0 or lora_A.numel() == 0:
+        return None
+    if tracing() or torch.cuda.is_current_stream_capturing() or not enabled():
+        return None
+    matmul = torch.backends.cuda.matmul
+    stream = torch.cuda.current_stream(weight.device)
+    return (
+        weight.device.index, stream.cuda_stream, float(scaling), bool(fan_in_fan_out),
+        matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction,
+        _layout(weight), _layout(lora_A), _layout(lora_B),
+    )
+
+
+def _capture(key: tuple, terms: Callable[[torch.Tensor], torch.Tensor], G: torch.Tensor, device: torch.device) -> tuple:
+    """Capture ``terms(G)``'s launches on a side stream into a graph of the (device, stream)
+    pool; returns (graph, its static (4, d_out) output). Nothing runs during a capture."""
+    pool = _pools.get(key[:2])
+    if pool is None:
+        pool = _pools[key[:2]] = torch.cuda.graph_pool_handle()
+    side = _capture_streams.get(key[0])
+    if side is None:
+        side = _capture_streams[key[0]] = torch.cuda.Stream(device)
+    current = torch.cuda.current_stream(device)
+    side.wait_stream(current)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            out = terms(G)
+        finally:
+            graph.capture_end()
+    current.wait_stream(side)
+    return graph, out
+
+
+def graphed_norm(
+    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, fan_in_fan_out: bool,
+    gram: Callable[[torch.Tensor], torch.Tensor], terms: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor | None:
+    """The (4, d_out) fp32 terms (base, cross, lora, norm) of this norm, or None where graphs
+    are not used for this call (the module docstring says when; the caller then launches).
+    ``gram(out)`` writes G = A·Aᵀ into ``out`` (eagerly, on the current stream: a cuBLAS call
+    captured on another stream would give that stream a 32 MiB workspace of its own on Hopper);
+    ``terms(G)`` launches the rest of exactly this norm, which is what a graph holds."""
+    key = _key(weight, lora_A, lora_B, scaling, fan_in_fan_out)
+    if key is None:
+        return None
+    with _lock, torch.no_grad():
+        entry = _graphs.get(key)
+        if entry is None:
+            sightings = _seen.pop(key, 0) + 1
+            if sightings < CAPTURE_AFTER:
+                _seen[key] = sightings
+                while len(_seen) > MAX_SEEN:
+                    _seen.popitem(last=False)
+                return None
+        gram_key = (key[0], key[1], lora_A.shape[0])
+        G = _grams.get(gram_key)
+        if G is None:
+            G = _grams[gram_key] = torch.empty(gram_key[2], gram_key[2], dtype=torch.float32, device=weight.device)
+        gram(G)
+        if entry is None:
+            entry = _graphs[key] = _capture(key, terms, G, weight.device)
+            _stats["captures"] += 1
+            while len(_graphs) > MAX_GRAPHS:
+                _graphs.popitem(last=False)
+        else:
+            _graphs.move_to_end(key)
+        graph, out = entry
+        graph.replay()
+        _stats["replays"] += 1
+        # Copied out before any other graph of this pool runs (the module docstring says why).
+        return out.clone()

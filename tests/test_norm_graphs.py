@@ -1,0 +1,233 @@
+"""The eager Triton norm replayed from CUDA graphs (doracheck/kernels/norm_graphs.py).
+
+CPU: the policy (when a key is captured, that a replay hands out a copy, the LRU bound) with a
+stand-in for the CUDA part. GPU: replays are bitwise the eager launches, follow every write
+to W, A and B (including writes no version counter sees: ``.data``, fused AdamW), are never
+used inside a user's stream capture, and a fused-AdamW loop of a layer trains bitwise the same
+model with them as without.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from doracheck.kernels import norm_graphs
+from doracheck.kernels.norm_triton import factored_norm_triton
+
+
+@pytest.fixture(autouse=True)
+def fresh_graphs():
+    norm_graphs.clear()
+    yield
+    norm_graphs.clear()
+
+
+class _FakeGraph:
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+def _fake_cuda(monkeypatch, key_of):
+    """Stand-ins for the CUDA part: the key is ``key_of(weight)``, a capture returns a graph that
+    counts its replays and the output ``terms(G)`` gave at capture."""
+    monkeypatch.setattr(norm_graphs, "_key", lambda w, a, b, s, f: (0, 0, *key_of(w)) if key_of(w) else None)
+    monkeypatch.setattr(norm_graphs, "_capture", lambda key, terms, G, device: (_FakeGraph(), terms(G)))
+
+
+def _graphed(w, terms, grams=None):
+    def gram(out):
+        if grams is not None:
+            grams.append(out)
+        return out.fill_(1.0)
+
+    return norm_graphs.graphed_norm(w, w[:, None].expand(-1, 2).t(), w, 1.0, False, gram, terms)
+
+
+def test_a_key_is_captured_on_its_second_sighting_and_replays_hand_out_copies(monkeypatch):
+    _fake_cuda(monkeypatch, lambda w: ("layer", id(w)))
+    w = torch.ones(3)
+    captured, grams = [], []
+
+    def terms(G):
+        captured.append(G)
+        return torch.arange(12.0).view(4, 3)
+
+    assert _graphed(w, terms, grams) is None  # first sighting: the caller launches
+    assert captured == [] and grams == []
+    first = _graphed(w, terms, grams)
+    assert first is not None and len(captured) == 1  # captured once, reading the shared G
+    assert captured[0] is grams[0] and captured[0].shape == (2, 2)
+    assert first.tolist() == torch.arange(12.0).view(4, 3).tolist()
+    first[3].fill_(-1.0)  # a caller writing its result must not reach the static output
+    second = _graphed(w, terms, grams)
+    assert second[3].tolist() == [9.0, 10.0, 11.0] and len(captured) == 1
+    assert len(grams) == 2 and grams[1] is grams[0]  # G rewritten before every replay
+    assert norm_graphs.stats() == {"captures": 1, "replays": 2, "graphs": 1}
+
+
+def test_no_key_means_no_graph(monkeypatch):
+    _fake_cuda(monkeypatch, lambda w: None)
+    w = torch.ones(2)
+    for _ in range(3):
+        assert _graphed(w, lambda G: torch.zeros(4, 2)) is None
+    assert norm_graphs.stats()["graphs"] == 0
+
+
+def test_graphs_are_bounded_least_recently_used_first(monkeypatch):
+    _fake_cuda(monkeypatch, lambda w: ("layer", int(w[0])))
+    monkeypatch.setattr(norm_graphs, "MAX_GRAPHS", 2)
+    ws = [torch.full((2,), float(i)) for i in range(3)]
+
+    def run(w):
+        return _graphed(w, lambda G: torch.zeros(4, 2))
+
+    for w in ws[:2]:
+        run(w), run(w)
+    run(ws[0])  # ws[0] is now the most recently used
+    run(ws[2]), run(ws[2])
+    assert {k[2:] for k in norm_graphs._graphs} == {("layer", 0), ("layer", 2)}
+
+
+def test_cpu_tensors_never_get_a_key():
+    w = torch.randn(4, 3)
+    assert norm_graphs._key(w, w[:2], w[:, :2], 1.0, False) is None
+
+
+# --- GPU ------------------------------------------------------------------------------------
+
+cuda = pytest.mark.gpu
+
+
+def _adapter(d_out=768, d_in=512, r=48, dtype=torch.bfloat16, adapter_dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    W = torch.randn(d_out, d_in, device="cuda", dtype=dtype, generator=g)
+    A = (torch.randn(r, d_in, device="cuda", dtype=adapter_dtype, generator=g) / d_in**0.5)
+    B = torch.randn(d_out, r, device="cuda", dtype=adapter_dtype, generator=g) * 0.05
+    return W, A, B
+
+
+def _terms(W, A, B, s, fan_in_fan_out=False):
+    from doracheck.kernels import ops
+
+    return ops.call("factored_norm", W, A, B, s, fan_in_fan_out)
+
+
+def _eager_terms(W, A, B, s, fan_in_fan_out=False):
+    fn = factored_norm_triton(W, A, B, s, fan_in_fan_out=fan_in_fan_out)
+    return fn.base, fn.cross, fn.lora, fn.norm
+
+
+@cuda
+@pytest.mark.parametrize("adapter_dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("fan_in_fan_out", [False, True])
+def test_replays_are_bitwise_the_eager_launches_and_follow_unseen_writes(adapter_dtype, fan_in_fan_out):
+    W, A, B = _adapter(adapter_dtype=adapter_dtype)
+    if fan_in_fan_out:
+        W = W.t().contiguous()
+    for step in range(5):
+        got = _terms(W, A, B, 1.7, fan_in_fan_out)
+        want = _eager_terms(W, A, B, 1.7, fan_in_fan_out)
+        for name, g, w in zip(("base", "cross", "lora", "norm"), got, want):
+            assert torch.equal(g, w), (step, name)
+        versions = (A._version, B._version)
+        A.data.add_(0.01 * torch.randn_like(A))  # through .data: no version counter sees these
+        B.data.mul_(1.1)
+        assert (A._version, B._version) == versions
+    assert norm_graphs.stats()["captures"] == 1 and norm_graphs.stats()["replays"] == 4
+
+
+@cuda
+def test_a_replayed_result_is_not_overwritten_by_the_next_replay():
+    W1, A1, B1 = _adapter(seed=1)
+    W2, A2, B2 = _adapter(seed=2)
+    for _ in range(2):
+        _terms(W1, A1, B1, 2.0), _terms(W2, A2, B2, 2.0)
+    n1 = _terms(W1, A1, B1, 2.0)[3]
+    keep = n1.clone()
+    _terms(W2, A2, B2, 2.0)  # shares the pool
+    torch.cuda.synchronize()
+    assert torch.equal(n1, keep)
+    assert norm_graphs.stats()["captures"] == 2
+
+
+@cuda
+def test_no_graph_inside_a_users_stream_capture_and_the_capture_reads_the_parameters():
+    W, A, B = _adapter()
+    for _ in range(3):
+        _terms(W, A, B, 1.0)
+    replays = norm_graphs.stats()["replays"]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _terms(W, A, B, 1.0)  # warm-up on the side stream (its own key: another stream)
+    torch.cuda.current_stream().wait_stream(side)
+    user_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(user_graph):
+        captured = _terms(W, A, B, 1.0)[3]
+    assert norm_graphs.stats()["replays"] == replays  # launched into the user's graph, not replayed
+    B.data.mul_(0.5)
+    user_graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, _eager_terms(W, A, B, 1.0)[3])
+
+
+@cuda
+def test_replays_follow_fused_adamw_steps_bitwise():
+    """Fused AdamW writes the adapters in place and leaves their version counters alone: each
+    replay after a step is bitwise a fresh eager norm of the new values."""
+    W, A, B = _adapter(d_out=640, d_in=384, r=32, seed=3)
+    A.requires_grad_(True), B.requires_grad_(True)
+    opt = torch.optim.AdamW([A, B], lr=1e-2, fused=True)
+    for step in range(5):
+        got = _terms(W, A, B, 2.0)
+        want = _eager_terms(W, A, B, 2.0)
+        for name, g, w in zip(("base", "cross", "lora", "norm"), got, want):
+            assert torch.equal(g, w), (step, name)
+        loss = (A.float().square().sum() + B.float().sin().sum())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert norm_graphs.stats()["replays"] == 4
+
+
+@cuda
+def test_a_fused_adamw_layer_loop_is_bitwise_the_same_with_and_without_graphs(monkeypatch):
+    import doracheck
+
+    torch.manual_seed(0)
+    layer = doracheck.DoRALinear(384, 640, 32, 64, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.02)
+    x = torch.randn(96, 384, device="cuda", dtype=torch.bfloat16)
+
+    def train(module, graphs):
+        monkeypatch.setenv("DORACHECK_NORM_GRAPHS", "1" if graphs else "0")
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-2, fused=True)
+        outs = []
+        for _ in range(6):
+            y = module(x)
+            y.float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            outs.append(y.detach())
+        return outs + [p.detach().clone() for p in module.parameters()]
+
+    names = [f"y of step {i}" for i in range(6)] + [n for n, _ in layer.named_parameters()]
+    torch.use_deterministic_algorithms(True)  # cuBLAS too (CUBLAS_WORKSPACE_CONFIG is set in conftest)
+    try:
+        with_graphs = train(copy.deepcopy(layer), True)
+        assert norm_graphs.stats()["replays"] >= 4
+        without = train(copy.deepcopy(layer), False)
+        control = train(copy.deepcopy(layer), False)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name, a, b in zip(names, without, control):  # the loop itself is repeatable, or the comparison means nothing
+        assert torch.equal(a, b), f"control {name}: max |diff| {(a.float() - b.float()).abs().max().item():.3e}"
+    for name, a, b in zip(names, with_graphs, without):
+        assert torch.equal(a, b), f"{name}: max |diff| {(a.float() - b.float()).abs().max().item():.3e}"
