@@ -153,13 +153,11 @@ def memory_allowance(d_out: int, tokens: int, itemsize: int) -> int:
 
 
 def extra_bytes(v: Variant, d_in: int, d_out: int, r: int, tokens: int, itemsize: int, training: bool) -> int:
-    """Peak bytes a variant adds beyond what every variant needs. Every training variant holds
-    at least one backward chunk of dz (the default's own working set, settings'
-    BACKWARD_CHUNK_BYTES), so "+whole" adds the rest of dz beyond that chunk."""
+    """Peak bytes a variant adds beyond what every variant needs."""
     extra = d_out * d_in * itemsize if v.order == "merged" else 0
     if training:
-        if not v.chunked:
-            extra += (tokens - backward_token_chunk(tokens, d_out, itemsize)) * d_out * itemsize
+        dz_whole = tokens * d_out * itemsize
+        extra += (dz_whole if not v.chunked else backward_token_chunk(tokens, d_out, itemsize) * d_out * itemsize)
         extra += tokens * r * itemsize if v.save_xa else 0
     return extra
 

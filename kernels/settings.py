@@ -155,6 +155,6 @@ def triton_norm_memory_bound(d_out: int, d_in: int, r: int, lora_B_dtype: torch.
     plus an fp32 copy of B (d_out × r) when B is fp16 (the lora term's GEMM runs on it, since
     fp16 pieces of G would overflow; norm_triton.factored_norm_triton)."""
     cfg = gram_config(r, d_in)
-    n_tiles = -(-r // 128) + 1 if r else 1  # partial rows per term: at most this, any config above
+    n_tiles = -(-r // 64) if r else 1  # partial rows per term: 64-wide row-dot tiles (rowdot_config), split K = 1
     b_copy = d_out * r if lora_B_dtype == torch.float16 else 0
     return 4 * (r * r * (cfg.splits + 1) + d_out * (2 * n_tiles + 9) + b_copy)

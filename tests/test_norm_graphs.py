@@ -68,7 +68,7 @@ def test_a_key_is_captured_on_its_second_sighting_and_replays_hand_out_copies(mo
     second = _graphed(w, terms, grams)
     assert second[3].tolist() == [9.0, 10.0, 11.0] and len(captured) == 1
     assert len(grams) == 2 and grams[1] is grams[0]  # G rewritten before every replay
-    assert norm_graphs.stats() == {"captures": 1, "replays": 2, "graphs": 1}
+    assert norm_graphs.stats() == {"captures": 1, "replays": 2, "failed": 0, "graphs": 1}
 
 
 def test_no_key_means_no_graph(monkeypatch):
@@ -79,7 +79,9 @@ def test_no_key_means_no_graph(monkeypatch):
     assert norm_graphs.stats()["graphs"] == 0
 
 
-def test_graphs_are_bounded_least_recently_used_first(monkeypatch):
+def test_at_the_cap_only_graphs_of_freed_tensors_make_room(monkeypatch):
+    import gc
+
     _fake_cuda(monkeypatch, lambda w: ("layer", int(w[0])))
     monkeypatch.setattr(norm_graphs, "MAX_GRAPHS", 2)
     ws = [torch.full((2,), float(i)) for i in range(3)]
@@ -89,9 +91,54 @@ def test_graphs_are_bounded_least_recently_used_first(monkeypatch):
 
     for w in ws[:2]:
         run(w), run(w)
-    run(ws[0])  # ws[0] is now the most recently used
-    run(ws[2]), run(ws[2])
-    assert {k[2:] for k in norm_graphs._graphs} == {("layer", 0), ("layer", 2)}
+    assert run(ws[2]) is None and run(ws[2]) is None  # full of live graphs: launched eagerly, nothing evicted
+    assert {k[2:] for k in norm_graphs._graphs} == {("layer", 0), ("layer", 1)}
+    del ws[0], w
+    gc.collect()
+    layer2 = ws[-1]
+    assert run(layer2) is None  # its first sighting with room to spare
+    assert run(layer2) is not None  # captured: the freed layer 0 made room
+    assert {k[2:] for k in norm_graphs._graphs} == {("layer", 1), ("layer", 2)}
+
+
+def test_a_failed_capture_falls_back_to_launches_for_good(monkeypatch):
+    attempts = []
+
+    def failing(key, terms, G, device):
+        attempts.append(key)
+        raise RuntimeError("out of memory while capturing")
+
+    monkeypatch.setattr(norm_graphs, "_key", lambda w, a, b, s, f: (0, 0, "layer"))
+    monkeypatch.setattr(norm_graphs, "_capture", failing)
+    w = torch.ones(3)
+    for _ in range(4):
+        assert _graphed(w, lambda G: torch.zeros(4, 3)) is None
+    assert len(attempts) == 1 and norm_graphs.stats()["failed"] == 1
+
+
+def test_what_outlives_a_call_in_inference_mode_is_writable_outside_it(monkeypatch):
+    _fake_cuda(monkeypatch, lambda w: ("layer", id(w)))
+    w = torch.ones(3)
+    with torch.inference_mode():
+        _graphed(w, lambda G: torch.zeros(4, 3))
+        assert _graphed(w, lambda G: torch.zeros(4, 3)) is not None  # captured here: G made here
+    assert _graphed(w, lambda G: torch.zeros(4, 3)) is not None  # G written outside inference mode
+
+
+def test_the_key_covers_every_tensor_s_address_layout_and_dtype():
+    W, A, B = torch.randn(6, 5), torch.randn(2, 5), torch.randn(6, 2)
+    key = norm_graphs.layout_key(W, A, B, 1.5, False)
+    assert key == norm_graphs.layout_key(W, A, B, 1.5, False)
+    others = [
+        (W, A, B.clone(), 1.5, False),  # another B
+        (W, A.clone(), B, 1.5, False),  # another A
+        (W.clone(), A, B, 1.5, False),  # another W
+        (W, A, B.view(torch.int32), 1.5, False),  # same address, another dtype
+        (W, A, B.t().contiguous().t(), 1.5, False),  # another stride
+        (W, A, B, 2.0, False),
+        (W, A, B, 1.5, True),
+    ]
+    assert all(norm_graphs.layout_key(*o) != key for o in others)
 
 
 def test_cpu_tensors_never_get_a_key():
@@ -144,16 +191,16 @@ def test_replays_are_bitwise_the_eager_launches_and_follow_unseen_writes(adapter
 
 @cuda
 def test_a_replayed_result_is_not_overwritten_by_the_next_replay():
-    W1, A1, B1 = _adapter(seed=1)
-    W2, A2, B2 = _adapter(seed=2)
+    W, A, B = _adapter(seed=1)
     for _ in range(2):
-        _terms(W1, A1, B1, 2.0), _terms(W2, A2, B2, 2.0)
-    n1 = _terms(W1, A1, B1, 2.0)[3]
+        _terms(W, A, B, 2.0)
+    n1 = _terms(W, A, B, 2.0)[3]
     keep = n1.clone()
-    _terms(W2, A2, B2, 2.0)  # shares the pool
+    B.data.mul_(2.0)
+    n2 = _terms(W, A, B, 2.0)[3]  # the same graph again: its static output now holds the new norm
     torch.cuda.synchronize()
-    assert torch.equal(n1, keep)
-    assert norm_graphs.stats()["captures"] == 2
+    assert torch.equal(n1, keep) and not torch.equal(n2, keep)
+    assert norm_graphs.stats()["captures"] == 1
 
 
 @cuda

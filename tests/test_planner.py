@@ -52,7 +52,9 @@ def test_prediction_grows_with_work():
     assert predict_ms(v, 8192, 8192, 384, 8192, torch.bfloat16, False) > predict_ms(v, 8192, 8192, 384, 4096, torch.bfloat16, False)
 
 
-def test_timed_plan_measures_each_candidate_once():
+def test_timed_plan_measures_each_candidate_once(monkeypatch):
+    from doracheck.kernels import settings
+
     calls = []
 
     def fake_measure(variants, *args, **kwargs):
@@ -61,6 +63,7 @@ def test_timed_plan_measures_each_candidate_once():
                 for v in variants}
 
     shape = (512, 256, 8, 65536, torch.float32, True)
+    monkeypatch.setattr(settings, "BACKWARD_CHUNK_BYTES", 16 * 2**20)  # merged fits beside 16 MiB chunks
     p1 = plan(*shape, timed=True, device="cpu", measure=fake_measure)
     p2 = plan(*shape, timed=True, device="cpu", measure=fake_measure)
     assert p1.variant == Variant("merged", True, True) and p2.variant == p1.variant
@@ -68,19 +71,24 @@ def test_timed_plan_measures_each_candidate_once():
     assert set(p1.measured_ms) == {v.name for v in p1.candidates}
 
 
-def test_whole_is_no_variant_where_dz_fits_in_one_chunk():
-    """With one backward chunk, "+whole" runs the same program as the default: not a candidate."""
-    from doracheck.kernels.settings import BACKWARD_CHUNK_BYTES, backward_token_chunk
+def test_whole_is_no_variant_where_dz_fits_in_one_chunk(monkeypatch):
+    """With one backward chunk, "+whole" runs the same program as the default: not a candidate.
+    At the default 32 MiB chunks a dz of two chunks never fits the allowance (1.25x nn.Linear +
+    32 MiB), so "+whole" is checked at a 16 MiB chunk budget, where one that does exists."""
+    from doracheck.kernels import settings
+    from doracheck.kernels.settings import backward_token_chunk
 
     for T in (1, 256, 3000):
         assert backward_token_chunk(T, 4096, 2) == T
+    assert "factored+whole" not in [v.name for v in candidates(4096, 4096, 8, 4608, torch.bfloat16, True)]
+    monkeypatch.setattr(settings, "BACKWARD_CHUNK_BYTES", 16 * 2**20)
+    for T in (1, 256):
+        assert backward_token_chunk(T, 4096, 2) == T
         names = [v.name for v in candidates(4096, 4096, 64, T, torch.bfloat16, True)]
         assert names == ["factored", "factored+recompute_xa"]
-    # two chunks (36 MiB of dz against 32 MiB chunks), and the rest of dz fits the allowance
-    assert BACKWARD_CHUNK_BYTES == 32 * 2**20 and backward_token_chunk(4608, 4096, 2) < 4608
-    assert "factored+whole" in [v.name for v in candidates(4096, 4096, 8, 4608, torch.bfloat16, True)]
-    # far over one chunk (120 MiB of dz), the whole of it does not
-    assert "factored+whole" not in [v.name for v in candidates(4096, 4096, 8, 15360, torch.bfloat16, True)]
+    # two chunks (23 MiB of dz against 16 MiB chunks), and the whole of dz fits the allowance
+    assert backward_token_chunk(3000, 4096, 2) < 3000
+    assert "factored+whole" in [v.name for v in candidates(4096, 4096, 8, 3000, torch.bfloat16, True)]
 
 
 def test_measure_variants_times_each_candidate_on_shared_inputs():
