@@ -157,8 +157,10 @@ def graphed_norm(
     if key is None:
         return None
     # Outside inference mode: what is made here outlives this call, and an inference tensor
-    # could not be written by a later call outside it.
-    with _lock, torch.no_grad(), torch.inference_mode(False):
+    # could not be written by a later call outside it. Then no_grad, in this order: leaving
+    # inference mode turns grad mode on (seen on the H200: G written by an out= GEMM under grad
+    # mode raised for fp32 A, and gave the norm an autograd history for bf16 A).
+    with _lock, torch.inference_mode(False), torch.no_grad():
         entry = _graphs.get(key)
         if entry is None:
             if key in _failed or not _room():

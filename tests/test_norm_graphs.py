@@ -125,6 +125,31 @@ def test_what_outlives_a_call_in_inference_mode_is_writable_outside_it(monkeypat
     assert _graphed(w, lambda G: torch.zeros(4, 3)) is not None  # G written outside inference mode
 
 
+@pytest.mark.parametrize("caller", ["grad", "no_grad", "inference_mode"])
+def test_gram_and_capture_run_without_grad_mode_whatever_the_caller(monkeypatch, caller):
+    """The norm is detached: G, the capture and the output carry no autograd history, from a
+    caller in grad mode, in no_grad (an autograd Function's forward) or in inference mode
+    (leaving inference mode to write G must not turn grad mode back on)."""
+    _fake_cuda(monkeypatch, lambda w: ("layer", id(w)))
+    w = torch.ones(3, requires_grad=True)
+    modes = []
+
+    def gram(out):
+        modes.append(("gram", torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+        return out.fill_(1.0)
+
+    def terms(G):
+        modes.append(("terms", torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+        return torch.stack([w * 2.0] * 4)
+
+    context = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[caller]
+    with context():
+        for _ in range(3):
+            out = norm_graphs.graphed_norm(w, w[:, None].expand(-1, 2).t(), w, 1.0, False, gram, terms)
+    assert out is not None and out.grad_fn is None and not out.requires_grad
+    assert modes and all(not grad and not inference for _, grad, inference in modes)
+
+
 def test_the_key_covers_every_tensor_s_address_layout_and_dtype():
     W, A, B = torch.randn(6, 5), torch.randn(2, 5), torch.randn(6, 2)
     key = norm_graphs.layout_key(W, A, B, 1.5, False)
