@@ -99,12 +99,25 @@ def main() -> int:
     G = torch.empty(r, r, device=dev)
     dy2 = dy.reshape(T, d_out)
 
+    x_frozen = x.detach()
+
+    def lora_step():  # the PEFT LoRA layer's work: base + s·(x·Aᵀ)·Bᵀ, forward and backward
+        (F.linear(x, W) + F.linear(F.linear(x, A), B) * s).backward(dy)
+        x.grad = A.grad = B.grad = None
+
     def train_forward():
         return dora_autograd.dora_from_base(x, F.linear(x, W), W, A, B, m, None, s)
 
     def train_step():
         train_forward().backward(dy)
         x.grad = A.grad = B.grad = m.grad = None
+
+    def train_step_frozen_x():  # no dx wanted (the first layer of a model)
+        dora_autograd.dora_from_base(x_frozen, F.linear(x_frozen, W), W, A, B, m, None, s).backward(dy)
+        A.grad = B.grad = m.grad = None
+
+    def grad_only():  # torch.autograd.grad instead of .backward (no AccumulateGrad)
+        return torch.autograd.grad(train_forward(), (x, A, B, m), dy)
 
     def infer():
         with torch.no_grad():
@@ -125,6 +138,9 @@ def main() -> int:
         ("F.linear(x, W) alone", lambda: F.linear(x, W)),
         ("training forward (dora_from_base, recorded)", train_forward),
         ("training forward + backward", train_step),
+        ("  the same, x frozen (no dx)", train_step_frozen_x),
+        ("  the same, torch.autograd.grad", grad_only),
+        ("LoRA-style layer forward + backward", lora_step),
         ("inference forward (no_grad)", infer),
         ("from_base_forward, need_saved (no Function)", saved_forward),
         ("layer_backward (no engine)", lambda: backward_pass.layer_backward(saved, dy2, a, (1, T), need)),
@@ -164,6 +180,15 @@ def main() -> int:
         lines.append(f"{name:48s} {host_us(fn, args.n, sync):9.1f}")
         print(lines[-1], flush=True)
     lines.append(f"norm graphs: {norm_graphs.stats()}")
+    if cuda:  # where the forward + backward's host time goes, op by op (autograd nodes included)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as torch_prof:
+            for _ in range(args.n):
+                train_step()
+            sync()
+        lines.append(f"== torch.profiler over {args.n} forward + backward calls, by self CPU")
+        lines.append(torch_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60))
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(4 * args.n):
