@@ -24,6 +24,7 @@ from doracheck import autograd as dora_autograd
 from doracheck import backward as backward_pass
 from doracheck import dispatch
 from doracheck import forward as forward_pass
+from doracheck.kernels import ops
 from doracheck.layer_state import LayerArgs, Need
 
 _totals: dict[str, float] = defaultdict(float)
@@ -68,6 +69,17 @@ def main() -> int:
     dora_autograd._restore = timed("_restore", dora_autograd._restore)
     backward_pass.layer_backward = timed("layer_backward", backward_pass.layer_backward)
     forward_call = timed("forward (dora_from_base)", dora_autograd.dora_from_base)
+    # the forward's parts, looked up by module attribute at call time
+    fn_cls.forward = staticmethod(timed("  Function.forward", fn_cls.forward))
+    forward_pass.from_base_forward = timed("  from_base_forward", forward_pass.from_base_forward)
+    forward_pass.norm_and_scale = timed("    norm_and_scale", forward_pass.norm_and_scale)
+    forward_pass.norm_cache.lookup_or_compute = timed("      lookup_or_compute", forward_pass.norm_cache.lookup_or_compute)
+    forward_pass.norm_with_floor = timed("        norm_with_floor", forward_pass.norm_with_floor)
+    dora_autograd._save = timed("  _save", dora_autograd._save)
+    dispatch.backend_for = timed("  backend_for", dispatch.backend_for)
+    for name in ("_setup", "_prescale", "_chunk", "_dm"):
+        setattr(backward_pass, name, timed(f"  backward {name}", getattr(backward_pass, name)))
+    ops.call = timed("ops.call (eager Triton ops, both passes)", ops.call)
 
     def step():
         y = forward_call(x, F.linear(x, W), W, A, B, m, None, s)
