@@ -20,9 +20,11 @@ When a graph is used (``graphed_norm`` returns None otherwise and the caller lau
   launches depend on: each tensor's address, shape, strides and dtype, the device, the current
   stream, s and ``fan_in_fan_out``. A tensor at the key's address with the key's layout is the
   tensor the graph reads.
-- the capture succeeded: a key whose capture raised (out of memory, another thread capturing
-  in global mode) is launched eagerly from then on;
-- ``DORACHECK_NORM_GRAPHS=0`` in the environment turns graphs off.
+- no capture has failed in this process: after one raises (out of memory at the peak of a
+  forward, another thread capturing in global mode), every norm is launched eagerly, with a
+  warning, until ``clear()`` (and the allocator is told the capture ended: torch 2.11 does not);
+- ``DORACHECK_NORM_GRAPHS=0`` in the environment turns graphs off, and so does
+  ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` (no caching allocator, no private pools).
 
 Memory: all graphs of one (device, stream) share one memory pool, and all graphs of one rank
 one G, so temporaries are held about once, not once per layer (for fp16 B they include an fp32
@@ -30,11 +32,12 @@ copy of B, d_out × r); each graph keeps its (4, d_out) fp32 output (229 KiB at 
 Sharing is safe because a replay's output is copied out (one ``clone``) on the same stream
 before any other graph of that pool can be replayed, and G is written on that stream just
 before the replay that reads it: nothing a replay writes is read after the next replay. At most
-``MAX_GRAPHS`` graphs are kept: at that many, the graphs whose B tensor has been freed (a weak
-reference; a model that was deleted) are dropped, and if none was, new keys are launched
-eagerly (evicting live ones would make a model with more layers than that capture again every
-step). A graph whose B was freed keeps working for a new tensor at the same address and layout
-(it reads whatever is there). ``clear()`` drops them all and frees the pools.
+``MAX_GRAPHS`` graphs are kept: at that many, the graphs one of whose W, A, B has been freed
+(weak references; a deleted model, a temporary cast of W) are dropped, looked for only after
+some such tensor was freed, and if none was, new keys are launched eagerly (evicting live ones
+would make a model with more layers than that capture again every step). A graph whose tensors
+were freed keeps working for new tensors at the same addresses and layouts (it reads whatever
+is there). Each graph holds the G it reads. ``clear()`` drops them all and frees the pools.
 
 Bitwise: a replay runs the same kernels with the same launch configurations as the eager
 launches, so its terms are bitwise the eager norm's (tests/test_norm_graphs.py, GPU).
@@ -44,12 +47,14 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 from .tracing import tracing
 
@@ -58,18 +63,22 @@ MAX_GRAPHS = 2048
 MAX_SEEN = 8192
 
 _lock = threading.Lock()
-_graphs: dict[tuple, list] = {}  # key -> [graph, static (4, d_out) output, weak reference to the last B]
+_graphs: dict[tuple, list] = {}  # key -> [graph, static (4, d_out) output, weak references to W, A, B, the G it reads]
 _seen: OrderedDict[tuple, int] = OrderedDict()  # key -> sightings before capture
-_failed: OrderedDict[tuple, None] = OrderedDict()  # keys whose capture raised: launched eagerly
 _pools: dict[tuple, Any] = {}  # (device, stream) -> memory pool handle shared by its graphs
 _grams: dict[tuple, torch.Tensor] = {}  # (device, stream, r) -> the fp32 (r, r) G every graph of that r reads
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 _stats = {"captures": 0, "replays": 0, "failed": 0}
+_NO_CACHING = os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") == "1"  # read by torch once, at CUDA start
+_state = {"off": False, "dead": False}  # off: a capture failed; dead: a tensor a graph reads was freed
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def enabled() -> bool:
-    return os.environ.get("DORACHECK_NORM_GRAPHS", "1") != "0"
+    """Off with ``DORACHECK_NORM_GRAPHS=0``, without torch's caching allocator
+    (``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, as under compute-sanitizer runs that set it: a capture
+    then allocates with cudaMalloc), and for the rest of the process after a failed capture."""
+    return not _state["off"] and not _NO_CACHING and os.environ.get("DORACHECK_NORM_GRAPHS", "1") != "0"
 
 
 def stats() -> dict:
@@ -79,14 +88,15 @@ def stats() -> dict:
 
 
 def clear() -> None:
-    """Drop every graph, sighting and shared buffer (the pools are freed with their graphs)."""
+    """Drop every graph, sighting and shared buffer (the pools are freed with their graphs) and
+    allow graphs again after a failed capture."""
     with _lock:
         _graphs.clear()
         _seen.clear()
-        _failed.clear()
         _pools.clear()
         _grams.clear()
         _stats.update(captures=0, replays=0, failed=0)
+        _state.update(off=False, dead=False)
 
 
 def _layout(t: torch.Tensor) -> tuple:
@@ -130,17 +140,49 @@ def _capture(key: tuple, terms: Callable[[torch.Tensor], torch.Tensor], G: torch
         try:
             out = terms(G)
         finally:
-            graph.capture_end()
+            try:
+                graph.capture_end()
+            except Exception:
+                _end_pool_allocation(device, pool)
+                raise
     current.wait_stream(side)
     return graph, out
 
 
+def _end_pool_allocation(device: torch.device, pool) -> None:
+    """After a capture that failed to end: torch 2.11's ``capture_end`` raises before it tells
+    the caching allocator that the capture is over (fixed upstream later), which leaves the
+    allocator believing a capture runs (``empty_cache`` then asserts, freed memory is kept).
+    On a torch that already ended it, this raises, and that is fine."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is not None:
+        try:
+            end(device.index, pool)
+        except Exception:  # noqa: BLE001 (already ended by torch itself)
+            pass
+
+
+def _on_tensor_freed(_ref) -> None:
+    _state["dead"] = True  # no lock: a weakref callback may run anywhere, a flag write is atomic
+
+
+def _refs(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> tuple:
+    return tuple(weakref.ref(t, _on_tensor_freed) for t in (weight, lora_A, lora_B))
+
+
+def _alive(refs: tuple, *tensors: torch.Tensor) -> bool:
+    return all(ref() is t for ref, t in zip(refs, tensors))
+
+
 def _room() -> bool:
-    """Whether another graph may be kept (dropping those whose B was freed, at the cap)."""
+    """Whether another graph may be kept: at the cap, the graphs one of whose tensors was freed
+    are dropped, looked for only after a tensor was freed (not at every call)."""
     if len(_graphs) < MAX_GRAPHS:
         return True
-    for key in [k for k, entry in _graphs.items() if entry[2]() is None]:
-        del _graphs[key]
+    if _state["dead"]:
+        _state["dead"] = False
+        for key in [k for k, entry in _graphs.items() if any(ref() is None for ref in entry[2])]:
+            del _graphs[key]
     return len(_graphs) < MAX_GRAPHS
 
 
@@ -154,16 +196,17 @@ def graphed_norm(
     captured on another stream would give that stream a 32 MiB workspace of its own on Hopper);
     ``terms(G)`` launches the rest of exactly this norm, which is what a graph holds."""
     key = _key(weight, lora_A, lora_B, scaling, fan_in_fan_out)
-    if key is None:
+    if key is None or _state["off"]:
         return None
     # Outside inference mode: what is made here outlives this call, and an inference tensor
-    # could not be written by a later call outside it. Then no_grad, in this order: leaving
-    # inference mode turns grad mode on (seen on the H200: G written by an out= GEMM under grad
-    # mode raised for fp32 A, and gave the norm an autograd history for bf16 A).
-    with _lock, torch.inference_mode(False), torch.no_grad():
+    # could not be written by a later call outside it. Then no_grad and no forward AD, in this
+    # order: leaving inference mode turns both grad modes on (seen on the H200: G written by an
+    # out= GEMM under grad mode raised for fp32 A, and gave the norm an autograd history for
+    # bf16 A; with forward AD a dual A made the out= GEMM raise).
+    with _lock, torch.inference_mode(False), torch.no_grad(), _set_fwd_grad_enabled(False):
         entry = _graphs.get(key)
         if entry is None:
-            if key in _failed or not _room():
+            if not _room():
                 return None
             sightings = _seen.pop(key, 0) + 1
             if sightings < CAPTURE_AFTER:
@@ -179,16 +222,19 @@ def graphed_norm(
         if entry is None:
             try:
                 graph, out = _capture(key, terms, G, weight.device)
-            except Exception:  # noqa: BLE001 (any failure to capture: the eager launches still work)
-                _failed[key] = None
-                while len(_failed) > MAX_SEEN:
-                    _failed.popitem(last=False)
+            except Exception as error:  # noqa: BLE001 (any failure to capture: the eager launches still work)
+                # Off for the rest of the process (until clear()): a failed capture is usually
+                # memory running out at the peak of a forward, and its pool is not reused.
+                _pools.pop(key[:2], None)
+                _state["off"] = True
                 _stats["failed"] += 1
+                warnings.warn(f"doracheck: capturing a norm graph failed ({type(error).__name__}: {error}); "
+                              "norms are launched without graphs from now on", RuntimeWarning, stacklevel=2)
                 return None
-            entry = _graphs[key] = [graph, out, weakref.ref(lora_B)]
+            entry = _graphs[key] = [graph, out, _refs(weight, lora_A, lora_B), G]
             _stats["captures"] += 1
-        elif entry[2]() is not lora_B:
-            entry[2] = weakref.ref(lora_B)  # another tensor now at that address and layout
+        elif not _alive(entry[2], weight, lora_A, lora_B):
+            entry[2] = _refs(weight, lora_A, lora_B)  # other tensors now at those addresses and layouts
         graph, out = entry[0], entry[1]
         graph.replay()
         _stats["replays"] += 1

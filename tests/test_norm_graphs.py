@@ -9,7 +9,9 @@ model with them as without.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import weakref
 
 import pytest
 import torch
@@ -40,13 +42,22 @@ def _fake_cuda(monkeypatch, key_of):
     monkeypatch.setattr(norm_graphs, "_capture", lambda key, terms, G, device: (_FakeGraph(), terms(G)))
 
 
+_A_OF: dict = {}  # id(w) -> (weak reference to w, its A): each stand-in layer's A lives as long as w
+
+
 def _graphed(w, terms, grams=None):
+    """graphed_norm for a stand-in layer (W = B = ``w``, A a (2, len(w)) tensor that lives as
+    long as ``w``)."""
     def gram(out):
         if grams is not None:
             grams.append(out)
         return out.fill_(1.0)
 
-    return norm_graphs.graphed_norm(w, w[:, None].expand(-1, 2).t(), w, 1.0, False, gram, terms)
+    ref, A = _A_OF.get(id(w), (None, None))
+    if ref is None or ref() is not w:
+        A = torch.ones(2, w.shape[0])
+        _A_OF[id(w)] = (weakref.ref(w), A)
+    return norm_graphs.graphed_norm(w, A, w, 1.0, False, gram, terms)
 
 
 def test_a_key_is_captured_on_its_second_sighting_and_replays_hand_out_copies(monkeypatch):
@@ -101,19 +112,95 @@ def test_at_the_cap_only_graphs_of_freed_tensors_make_room(monkeypatch):
     assert {k[2:] for k in norm_graphs._graphs} == {("layer", 1), ("layer", 2)}
 
 
-def test_a_failed_capture_falls_back_to_launches_for_good(monkeypatch):
+def test_at_the_cap_a_graph_whose_W_was_freed_makes_room_too(monkeypatch):
+    """W a temporary (a cast of the base weight each call) while A and B live on: its graphs
+    are dropped at the cap like those of a freed B."""
+    import gc
+
+    monkeypatch.setattr(norm_graphs, "_key", lambda w, a, b, s, f: (0, 0, "layer", id(w)))
+    monkeypatch.setattr(norm_graphs, "_capture", lambda key, terms, G, device: (_FakeGraph(), terms(G)))
+    monkeypatch.setattr(norm_graphs, "MAX_GRAPHS", 1)
+    A, B = torch.ones(2, 3), torch.ones(3)
+
+    def run(W):
+        return norm_graphs.graphed_norm(W, A, B, 1.0, False, lambda out: out.fill_(1.0), lambda G: torch.zeros(4, 3))
+
+    W1 = torch.ones(3)
+    run(W1), run(W1)
+    W2 = torch.ones(3)
+    assert run(W2) is None and run(W2) is None and len(norm_graphs._graphs) == 1  # full, W1 alive
+    del W1
+    gc.collect()
+    assert run(W2) is None  # W1's graph dropped: W2's first sighting with room to spare
+    assert run(W2) is not None  # captured
+    assert [k[3] for k in norm_graphs._graphs] == [id(W2)]
+
+
+def test_a_failed_capture_turns_graphs_off_for_the_process_until_clear(monkeypatch):
     attempts = []
 
     def failing(key, terms, G, device):
         attempts.append(key)
         raise RuntimeError("out of memory while capturing")
 
-    monkeypatch.setattr(norm_graphs, "_key", lambda w, a, b, s, f: (0, 0, "layer"))
+    monkeypatch.setattr(norm_graphs, "_key", lambda w, a, b, s, f: (0, 0, "layer", id(w)))
     monkeypatch.setattr(norm_graphs, "_capture", failing)
+    w, other = torch.ones(3), torch.ones(3)
+    with pytest.warns(RuntimeWarning, match="capturing a norm graph failed"):
+        for _ in range(4):
+            assert _graphed(w, lambda G: torch.zeros(4, 3)) is None
+    for _ in range(3):  # another layer: no capture attempted either
+        assert _graphed(other, lambda G: torch.zeros(4, 3)) is None
+    assert len(attempts) == 1 and norm_graphs.stats()["failed"] == 1 and not norm_graphs.enabled()
+    norm_graphs.clear()
+    assert norm_graphs.enabled()
+
+
+def test_a_capture_that_fails_to_end_hands_the_pool_back_to_the_allocator(monkeypatch):
+    """torch 2.11's capture_end raises before telling the caching allocator the capture is
+    over; _capture then ends the pool allocation itself (stand-ins for the CUDA calls)."""
+    calls = []
+
+    class Graph:
+        def capture_begin(self, pool, capture_error_mode):
+            calls.append(("begin", pool))
+
+        def capture_end(self):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda device, pool: calls.append(("end", device, pool)),
+                        raising=False)
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        norm_graphs._capture((0, 0), lambda G: G, torch.zeros(2, 2), torch.device("cuda", 0))
+    assert calls == [("begin", "pool"), ("end", 0, "pool")]
+
+
+def test_no_forward_ad_inside_even_for_a_dual_A(monkeypatch):
+    """Leaving inference mode turns forward AD on too: G's out= GEMM on a dual A raised."""
+    import torch.autograd.forward_ad as fwAD
+
+    _fake_cuda(monkeypatch, lambda w: ("layer", id(w)))
     w = torch.ones(3)
-    for _ in range(4):
-        assert _graphed(w, lambda G: torch.zeros(4, 3)) is None
-    assert len(attempts) == 1 and norm_graphs.stats()["failed"] == 1
+    modes = []
+    with fwAD.dual_level():
+        A = fwAD.make_dual(torch.randn(2, 3), torch.randn(2, 3))
+
+        def gram(out):
+            modes.append(torch._C._is_fwd_grad_enabled())
+            return torch.mm(A, A.t(), out=out)
+
+        for _ in range(3):
+            out = norm_graphs.graphed_norm(w, A, w, 1.0, False, gram, lambda G: torch.zeros(4, 3))
+    assert out is not None and modes and not any(modes)
 
 
 def test_what_outlives_a_call_in_inference_mode_is_writable_outside_it(monkeypatch):
@@ -226,6 +313,28 @@ def test_a_replayed_result_is_not_overwritten_by_the_next_replay():
     torch.cuda.synchronize()
     assert torch.equal(n1, keep) and not torch.equal(n2, keep)
     assert norm_graphs.stats()["captures"] == 1
+
+
+@cuda
+def test_a_failed_capture_leaves_the_allocator_usable_and_graphs_off():
+    """A capture that fails (here a synchronize inside it) must leave torch's caching allocator
+    knowing the capture ended: on torch 2.11 capture_end raised before telling it, after which
+    empty_cache asserted. Then graphs stay off and the eager launches run."""
+    W, A, B = _adapter(seed=3)
+
+    def bad_terms(G):
+        torch.cuda.synchronize()  # not permitted while the stream is being captured
+        return torch.zeros(4, W.shape[0], device="cuda")
+
+    with pytest.warns(RuntimeWarning, match="capturing a norm graph failed"):
+        for _ in range(2):
+            assert norm_graphs.graphed_norm(W, A, B, 1.0, False, lambda out: out.zero_(), bad_terms) is None
+    scratch = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
+    del scratch
+    torch.cuda.empty_cache()
+    assert not norm_graphs.enabled() and norm_graphs.stats()["failed"] == 1
+    got, want = _terms(W, A, B, 1.0), _eager_terms(W, A, B, 1.0)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 @cuda
