@@ -11,7 +11,8 @@ def _mode_keys():
     return None if keys is None else tuple(getattr(keys, k) for k in ("FAKE", "PROXY", "FUNCTIONAL") if hasattr(keys, k))
 
 
-_MODE_KEYS = _mode_keys()
+_get_dispatch_mode = getattr(torch._C, "_get_dispatch_mode", None)
+_MODE_KEYS = _mode_keys() if _get_dispatch_mode is not None else None
 
 
 def tracing() -> bool:
@@ -24,6 +25,9 @@ def tracing() -> bool:
     call on the H200 host (benchmarks/cpu_overhead.py), four calls a step."""
     if torch.compiler.is_compiling():
         return True
-    if _MODE_KEYS is not None:
-        return any(torch._C._get_dispatch_mode(k) is not None for k in _MODE_KEYS)
+    if _MODE_KEYS is not None and _get_dispatch_mode is not None:
+        for key in _MODE_KEYS:  # a loop, not any() over a generator: this runs several times a call
+            if _get_dispatch_mode(key) is not None:
+                return True
+        return False
     return detect_fake_mode() is not None

@@ -15,9 +15,16 @@ from torch.library import wrap_triton
 
 from .tracing import tracing
 
+# Read once, when the kernel modules import this one, just before their ``triton.jit``
+# decorations: triton decides there, from the same variable, whether a kernel is interpreted,
+# so this is the answer for every launch of those kernels (reading the environment at each
+# launch cost host time on every call and could only disagree with triton).
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether the kernels run under triton's interpreter (TRITON_INTERPRET=1 at import)."""
+    return _INTERPRET
 
 
 def launcher(kernel, traced: bool | None = None):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -323,3 +324,40 @@ def test_fp16_chunked_dB_on_the_cpu_is_not_rounded_before_g(monkeypatch):
     chunked = _chunked_grads(monkeypatch, 1024, tensors, "torch", dy_value=1.0)  # 128 tokens a chunk
     assert bool(torch.isfinite(chunked["B"]).all())
     assert rel_l2(chunked["B"], whole["B"]) < 1e-2
+
+
+@pytest.mark.parametrize("half", ["fp16", "bf16"])
+@pytest.mark.parametrize("user", [True, False, (True, True), (False, True), (False, False)])
+def test_our_numerics_turns_16_bit_reduction_off_and_restores_the_callers_flags_exactly(half, user):
+    """Inside: no 16-bit split-K reduction. After (also after an exception): the caller's flag
+    exactly as it was, both parts of torch >= 2.10's (allow, allow_split_k) pair (a bool
+    restore would set allow_split_k back to True), and a caller's stricter (False, False) is
+    left alone inside. Runs on CPU builds too: the flags are process state."""
+    from doracheck.numerics import our_numerics
+
+    matmul = torch.backends.cuda.matmul
+    name = f"allow_{half}_reduced_precision_reduction"
+    raw = getattr(torch._C, f"_get_cublas_{name}", None)
+    if raw is None:
+        pytest.skip("this torch has no cuBLAS reduction flags")
+    before = raw()
+    if isinstance(user, tuple) and not isinstance(before, tuple):
+        pytest.skip("(allow, allow_split_k) pairs need torch >= 2.10")
+    try:
+        setattr(matmul, name, user)
+        as_set = raw()
+        for raising in (False, True):
+            with pytest.raises(RuntimeError) if raising else contextlib.nullcontext():
+                with our_numerics("cuda"):
+                    inside = raw()
+                    assert (inside[0] if isinstance(inside, tuple) else inside) is False
+                    if as_set == (False, False):
+                        assert inside == (False, False)
+                    if raising:
+                        raise RuntimeError("inside a layer call")
+            assert raw() == as_set
+    finally:
+        if isinstance(before, tuple):
+            getattr(torch._C, f"_set_cublas_{name}")(*before)
+        else:
+            setattr(matmul, name, before)
