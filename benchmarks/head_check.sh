@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 17, fourth session: the GPU checks of main as it stands (the norm-graph review changes
 # had run on the CPU only), then where a layer's host time goes, then the eager step A/B.
-# Parts (comma-separated, default all but probe): tests, memcheck, verify, host, probe, ab.
+# Parts (comma-separated, default all but probe and graphprobe): tests, memcheck, verify, host, probe,
+# graphprobe (what one CUDA graph per layer pass would save: layer_graph_probe.py), ab.
 set -u
 source benchmarks/gpu_common.sh
 export CUDA_VISIBLE_DEVICES=0
@@ -26,6 +27,10 @@ if [[ $PARTS == *,probe,* ]]; then
   step probe_T16 60 $PY backward_engine_probe.py --out "$R/probe_T16.txt"
   step probe_T4096 60 $PY backward_engine_probe.py --tokens 4096 --n 50 --out "$R/probe_T4096.txt"
 fi
+if [[ $PARTS == *,graphprobe,* ]]; then
+  step graphprobe_4096 90 $PY layer_graph_probe.py --out "$R/graphprobe_4096.txt"
+  step graphprobe_14336 90 $PY layer_graph_probe.py --d-out 14336 --out "$R/graphprobe_14336.txt"
+fi
 if [[ $PARTS == *,ab,* ]]; then
   step ab_step 90 $PY ab_step.py --rounds 5 --steps 4 --csv "$R/ab_step.csv" --configs "lora;dc:graphs=1,chunk=32;dc:graphs=0,chunk=32"
 fi
@@ -35,6 +40,6 @@ grep -E "ERROR SUMMARY|passed|failed" "$R/memcheck.log" 2>/dev/null | tail -n 3
 tail -c 600 "$R/verify.log" 2>/dev/null; echo
 head -n 26 "$R/host_4096.txt" 2>/dev/null
 head -n 26 "$R/host_14336.txt" 2>/dev/null | tail -n 25
-cat "$R/probe_T16.txt" "$R/probe_T4096.txt" 2>/dev/null
+cat "$R/probe_T16.txt" "$R/probe_T4096.txt" "$R/graphprobe_4096.txt" "$R/graphprobe_14336.txt" 2>/dev/null
 tail -n 5 "$R/ab_step.log" 2>/dev/null
 finish
