@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from doracheck.kernels.tracing import tracing
@@ -56,7 +58,45 @@ def _fp32_reduction(value):
     return False
 
 
-class our_numerics:
+class _FlagsOff:
+    """Eager CUDA calls without autocast (the hot path): only the two flags, switched off and
+    restored; a plain class (cheaper to enter than a generator context manager)."""
+
+    __slots__ = ("saved",)
+
+    def __enter__(self):
+        self.saved = _read_flags()
+        _write_flags(tuple(_fp32_reduction(v) for v in self.saved))
+        return self
+
+    def __exit__(self, *exc):
+        _write_flags(self.saved)
+        return False
+
+
+@contextlib.contextmanager
+def _numerics_general(device_type: str):
+    """Every other case: autocast on, or torch.compile tracing (a nested ``with`` on torch's own
+    autocast context, which Dynamo traces)."""
+    flags = device_type == "cuda" and not tracing()
+    saved = _read_flags() if flags else None
+    if saved is not None:
+        _write_flags(tuple(_fp32_reduction(v) for v in saved))
+    try:
+        if torch.is_autocast_enabled(device_type):
+            with torch.autocast(device_type, enabled=False):
+                yield
+        else:
+            yield
+    finally:
+        if saved is not None:
+            _write_flags(saved)
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+def our_numerics(device_type: str):
     """The numerics doracheck's GEMMs run with, for the duration of a forward or backward
     (``with our_numerics(device_type):``):
     - autocast off on ``device_type`` (the layer chooses every dtype itself: GEMMs in the
@@ -66,35 +106,13 @@ class our_numerics:
       accumulates in fp32. The caller's settings are restored after, exactly as they were
       (both parts of torch >= 2.10's (allow, allow_split_k) pair).
     Nothing is changed while torch.compile traces (the compiled graph picks its own GEMMs).
-    A class rather than a generator context manager, and torch's flag functions rather than
-    the properties: it is entered several times per layer call, on the host-bound path."""
-
-    __slots__ = ("device_type", "saved", "autocast_off")
-
-    def __init__(self, device_type: str):
-        self.device_type = device_type
-        self.saved: tuple | None = None
-        self.autocast_off = None
-
-    def __enter__(self):
-        if torch.is_autocast_enabled(self.device_type):
-            self.autocast_off = torch.autocast(self.device_type, enabled=False)
-            self.autocast_off.__enter__()
-        if self.device_type == "cuda" and not tracing():
-            self.saved = _read_flags()
-            _write_flags(tuple(_fp32_reduction(v) for v in self.saved))
-        return self
-
-    def __exit__(self, *exc):
-        try:
-            if self.saved is not None:
-                saved, self.saved = self.saved, None
-                _write_flags(saved)
-        finally:
-            if self.autocast_off is not None:
-                off, self.autocast_off = self.autocast_off, None
-                off.__exit__(*exc)
-        return False
+    Entered several times per layer call on the host-bound eager path, so the common case (no
+    autocast, not tracing) takes a plain class over torch's flag functions."""
+    if torch.compiler.is_compiling() or torch.is_autocast_enabled(device_type):
+        return _numerics_general(device_type)
+    if device_type != "cuda" or tracing():
+        return _NOTHING
+    return _FlagsOff()
 
 
 def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:

@@ -361,3 +361,20 @@ def test_our_numerics_turns_16_bit_reduction_off_and_restores_the_callers_flags_
             getattr(torch._C, f"_set_cublas_{name}")(*before)
         else:
             setattr(matmul, name, before)
+
+
+def test_our_numerics_turns_autocast_off_under_torch_compile_too():
+    """Under torch.compile (fullgraph) inside autocast, the block still runs without autocast:
+    a GEMM of fp32 operands stays fp32 (autocast would make it bf16)."""
+    from doracheck.numerics import our_numerics
+
+    def gemm(x, w):
+        with our_numerics("cpu"):
+            return x @ w
+
+    compiled = torch.compile(gemm, fullgraph=True, backend="aot_eager")
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (x @ w).dtype == torch.bfloat16  # autocast is on here
+        assert gemm(x, w).dtype == torch.float32
+        assert compiled(x, w).dtype == torch.float32
