@@ -7,7 +7,8 @@ fake (meta) implementation is its own body: shapes and dtypes come from the same
 
 In eager mode the functions below call the implementations directly (``call``): going
 through the dispatcher and ``wrap_triton`` costs about 0.2 ms of CPU per call, which would
-dominate decode (T = 1) on an H200. The eager norm is replayed from a CUDA graph of its
+dominate decode (T = 1) on an H200. They run with the tensors' device made current where it is
+not (``launch_device``): Triton launches on the current device. The eager norm is replayed from a CUDA graph of its
 launches where ``norm_graphs`` allows it.
 
 Every registered op is functional (no argument is mutated). In eager, ``call`` writes y in
@@ -173,13 +174,40 @@ def compose_infer_(
         return torch.ops.doracheck.lora_up_compose(base, xa, lora_B, g, bias, scaling)
     if magnitude.stride(0) != 1:  # the kernel reads m with stride 1 (a strided view is valid input)
         magnitude = magnitude.contiguous()
-    lora_up_compose_triton(base, xa, lora_B, magnitude, scaling, bias, out=base, base_has_bias=base_has_bias, n_safe=n_safe)
+    _on_device(lambda *_: lora_up_compose_triton(base, xa, lora_B, magnitude, scaling, bias, out=base,
+                                                 base_has_bias=base_has_bias, n_safe=n_safe), (base,))
     return base
 
 
+def launch_device(args) -> int | None:
+    """The CUDA device the eager launches of a call on ``args`` must be made on, where it is not
+    the current device (else None): the first tensor's. Triton launches on the *current* device
+    and its current stream, whatever device the tensors live on, and a model that accelerate's
+    ``device_map`` spreads over several GPUs runs its layers without switching the current
+    device: without this guard the kernels of a layer on cuda:1 would run on cuda:0's stream,
+    unordered with the work that produced their inputs (or fail on pointers cuda:0 cannot
+    reach)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if not a.is_cuda:
+                return None
+            index = a.device.index
+            return index if index != torch.cuda.current_device() else None
+    return None
+
+
+def _on_device(fn: Callable[..., Any], args: tuple):
+    index = launch_device(args)
+    if index is None:
+        return fn(*args)
+    with torch.cuda.device(index):
+        return fn(*args)
+
+
 def call(name: str, *args):
-    """Run op ``name``: directly in eager; while tracing through ``torch.ops.doracheck``, where
-    the in-place names map to their functional ops (use the returned tensors)."""
+    """Run op ``name``: directly in eager (on the tensors' device, ``launch_device``); while
+    tracing through ``torch.ops.doracheck``, where the in-place names map to their functional
+    ops (use the returned tensors)."""
     if tracing():
         return getattr(torch.ops.doracheck, _TRACED.get(name, name))(*args)
-    return _EAGER[name](*args)
+    return _on_device(_EAGER[name], args)
