@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import threading
+from typing import Any
 
 import torch
 
@@ -58,19 +60,43 @@ def _fp32_reduction(value):
     return False
 
 
+# The flags are process state, and doracheck calls run on several threads at once (autograd's
+# per-device backward threads, DataParallel replicas, servers): the first call to enter saves
+# and switches them, the last to leave puts the caller's values back. Each call saving and
+# restoring on its own let an early exit switch them back on under a call still running.
+_flags_lock = threading.Lock()
+_flags_held: dict[str, Any] = {"depth": 0, "saved": None}
+
+
+def _flags_enter() -> None:
+    with _flags_lock:
+        if _flags_held["depth"] == 0:
+            saved = _read_flags()
+            _write_flags(tuple(_fp32_reduction(v) for v in saved))
+            _flags_held["saved"] = saved
+        _flags_held["depth"] += 1
+
+
+def _flags_exit() -> None:
+    with _flags_lock:
+        _flags_held["depth"] -= 1
+        if _flags_held["depth"] == 0:
+            saved, _flags_held["saved"] = _flags_held["saved"], None
+            _write_flags(saved)
+
+
 class _FlagsOff:
     """Eager CUDA calls without autocast (the hot path): only the two flags, switched off and
     restored; a plain class (cheaper to enter than a generator context manager)."""
 
-    __slots__ = ("saved",)
+    __slots__ = ()
 
     def __enter__(self):
-        self.saved = _read_flags()
-        _write_flags(tuple(_fp32_reduction(v) for v in self.saved))
+        _flags_enter()
         return self
 
     def __exit__(self, *exc):
-        _write_flags(self.saved)
+        _flags_exit()
         return False
 
 
@@ -79,9 +105,8 @@ def _numerics_general(device_type: str):
     """Every other case: autocast on, or torch.compile tracing (a nested ``with`` on torch's own
     autocast context, which Dynamo traces)."""
     flags = device_type == "cuda" and not tracing()
-    saved = _read_flags() if flags else None
-    if saved is not None:
-        _write_flags(tuple(_fp32_reduction(v) for v in saved))
+    if flags:
+        _flags_enter()
     try:
         if torch.is_autocast_enabled(device_type):
             with torch.autocast(device_type, enabled=False):
@@ -89,8 +114,8 @@ def _numerics_general(device_type: str):
         else:
             yield
     finally:
-        if saved is not None:
-            _write_flags(saved)
+        if flags:
+            _flags_exit()
 
 
 _NOTHING = contextlib.nullcontext()

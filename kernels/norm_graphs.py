@@ -139,21 +139,31 @@ def _capture(key: tuple, terms: Callable[[torch.Tensor], torch.Tensor], G: torch
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
             out = terms(G)
-        finally:
-            try:
-                graph.capture_end()
-            except Exception:
-                _end_pool_allocation(device, pool)
-                raise
+        except BaseException:
+            _end_capture(graph, device, pool, raising=False)  # the launches' own error is the one to report
+            raise
+        _end_capture(graph, device, pool, raising=True)
     current.wait_stream(side)
     return graph, out
+
+
+def _end_capture(graph, device: torch.device, pool, raising: bool) -> None:
+    try:
+        graph.capture_end()
+    except Exception:
+        _end_pool_allocation(device, pool)
+        if raising:
+            raise
 
 
 def _end_pool_allocation(device: torch.device, pool) -> None:
     """After a capture that failed to end: torch 2.11's ``capture_end`` raises before it tells
     the caching allocator that the capture is over (fixed upstream later), which leaves the
     allocator believing a capture runs (``empty_cache`` then asserts, freed memory is kept).
-    On a torch that already ended it, this raises, and that is fine."""
+    On a torch that already ended it, this raises, and that is fine. The pool itself is not
+    released here (a torch that releases it on its own would then release it twice, under
+    graphs that share it): what the failed capture and the other graphs hold in it, a few MiB
+    of norm temporaries, stays reserved until the process ends."""
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
     if end is not None:
         try:
@@ -202,7 +212,8 @@ def graphed_norm(
     # could not be written by a later call outside it. Then no_grad and no forward AD, in this
     # order: leaving inference mode turns both grad modes on (seen on the H200: G written by an
     # out= GEMM under grad mode raised for fp32 A, and gave the norm an autograd history for
-    # bf16 A; with forward AD a dual A made the out= GEMM raise).
+    # bf16 A; with forward AD a dual A made the out= GEMM raise). Keep this order: on exit the
+    # inference-mode guard puts back the caller's whole autograd state, the other two included.
     with _lock, torch.inference_mode(False), torch.no_grad(), _set_fwd_grad_enabled(False):
         entry = _graphs.get(key)
         if entry is None:
@@ -225,7 +236,12 @@ def graphed_norm(
             except Exception as error:  # noqa: BLE001 (any failure to capture: the eager launches still work)
                 # Off for the rest of the process (until clear()): a failed capture is usually
                 # memory running out at the peak of a forward, and its pool is not reused.
-                _pools.pop(key[:2], None)
+                # The graphs are dropped too: none will be replayed again, and what they hold in
+                # pools that no failed capture touched goes back to the allocator.
+                _graphs.clear()
+                _seen.clear()
+                _grams.clear()
+                _pools.clear()
                 _state["off"] = True
                 _stats["failed"] += 1
                 warnings.warn(f"doracheck: capturing a norm graph failed ({type(error).__name__}: {error}); "

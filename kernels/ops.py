@@ -31,6 +31,7 @@ Ops (namespace ``doracheck``):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -138,12 +139,55 @@ def _dm_lost_rows(
     return dm_lost_rows_triton(dm, dy, x, weight_rows, xa, lora_B, g, n, scaling)
 
 
-factored_norm_op = triton_op("doracheck::factored_norm", _factored_norm, mutates_args=())
-lora_up_compose_op = triton_op("doracheck::lora_up_compose", _lora_up_compose, mutates_args=())
-lora_up_compose_save_z_op = triton_op("doracheck::lora_up_compose_save_z", _lora_up_compose_save_z, mutates_args=())
-lora_up_compose_dropout_op = triton_op("doracheck::lora_up_compose_dropout", _lora_up_compose_dropout, mutates_args=())
-grad_scale_dm_op = triton_op("doracheck::grad_scale_dm", _grad_scale_dm, mutates_args=())
-dm_lost_rows_op = triton_op("doracheck::dm_lost_rows", _dm_lost_rows, mutates_args=())
+def launch_device(args) -> int | None:
+    """The CUDA device the eager launches of a call on ``args`` must be made on, where it is not
+    the current device (else None): the first tensor's. Triton launches on the *current* device
+    and its current stream, whatever device the tensors live on, and a model that accelerate's
+    ``device_map`` spreads over several GPUs runs its layers without switching the current
+    device: without this guard the kernels of a layer on cuda:1 would run on cuda:0's stream,
+    unordered with the work that produced their inputs (or fail on pointers cuda:0 cannot
+    reach)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if not a.is_cuda:
+                return None
+            index = a.device.index
+            return index if index != _current_device() else None
+    return None
+
+
+def _current_device() -> int:
+    return torch.cuda.current_device()  # (a CUDA tensor exists: CUDA is initialised)
+
+
+def _guarded(body: Callable[..., Any]) -> Callable[..., Any]:
+    """A registered op's body, run on its tensors' device when it launches (not while
+    tracing): a graph that aot_eager or the eager backend compiled runs the bodies themselves."""
+
+    @functools.wraps(body)
+    def run(*args, **kwargs):
+        if tracing():
+            return body(*args, **kwargs)
+        return _on_device(lambda *_: body(*args, **kwargs), args)
+
+    return run
+
+
+def _on_device(fn: Callable[..., Any], args: tuple):
+    index = launch_device(args)
+    if index is None:
+        return fn(*args)
+    with torch.cuda.device(index):
+        return fn(*args)
+
+
+factored_norm_op = triton_op("doracheck::factored_norm", _guarded(_factored_norm), mutates_args=())
+lora_up_compose_op = triton_op("doracheck::lora_up_compose", _guarded(_lora_up_compose), mutates_args=())
+lora_up_compose_save_z_op = triton_op("doracheck::lora_up_compose_save_z", _guarded(_lora_up_compose_save_z), mutates_args=())
+lora_up_compose_dropout_op = triton_op("doracheck::lora_up_compose_dropout", _guarded(_lora_up_compose_dropout),
+                                       mutates_args=())
+grad_scale_dm_op = triton_op("doracheck::grad_scale_dm", _guarded(_grad_scale_dm), mutates_args=())
+dm_lost_rows_op = triton_op("doracheck::dm_lost_rows", _guarded(_dm_lost_rows), mutates_args=())
 
 _EAGER: dict[str, Callable[..., Any]] = {
     "factored_norm": _factored_norm_eager,
@@ -177,31 +221,6 @@ def compose_infer_(
     _on_device(lambda *_: lora_up_compose_triton(base, xa, lora_B, magnitude, scaling, bias, out=base,
                                                  base_has_bias=base_has_bias, n_safe=n_safe), (base,))
     return base
-
-
-def launch_device(args) -> int | None:
-    """The CUDA device the eager launches of a call on ``args`` must be made on, where it is not
-    the current device (else None): the first tensor's. Triton launches on the *current* device
-    and its current stream, whatever device the tensors live on, and a model that accelerate's
-    ``device_map`` spreads over several GPUs runs its layers without switching the current
-    device: without this guard the kernels of a layer on cuda:1 would run on cuda:0's stream,
-    unordered with the work that produced their inputs (or fail on pointers cuda:0 cannot
-    reach)."""
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            if not a.is_cuda:
-                return None
-            index = a.device.index
-            return index if index != torch.cuda.current_device() else None
-    return None
-
-
-def _on_device(fn: Callable[..., Any], args: tuple):
-    index = launch_device(args)
-    if index is None:
-        return fn(*args)
-    with torch.cuda.device(index):
-        return fn(*args)
 
 
 def call(name: str, *args):

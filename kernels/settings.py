@@ -12,6 +12,7 @@ the same functions return small blocks so CPU runs stay quick.
 from __future__ import annotations
 
 import os
+import sys
 from typing import NamedTuple
 
 import torch
@@ -20,6 +21,14 @@ NORM_CHUNK_BYTES = 32 * 1024 * 1024
 
 
 def _interpreting() -> bool:
+    """Whether the kernels are interpreted: the kernel modules' own answer (fixed when triton
+    decorated them; the configurations below are asked for only by those modules), else the
+    environment. Reading the environment at each call could disagree with the kernels if
+    TRITON_INTERPRET changed after they were decorated, and hand interpreter tiles to compiled
+    kernels (tiles narrower than 64 computed the norm wrong on the H200, below)."""
+    common = sys.modules.get("doracheck.kernels.triton_common")
+    if common is not None:
+        return common.interpreting()
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

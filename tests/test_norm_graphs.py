@@ -184,6 +184,35 @@ def test_a_capture_that_fails_to_end_hands_the_pool_back_to_the_allocator(monkey
     assert calls == [("begin", "pool"), ("end", 0, "pool")]
 
 
+def test_a_capture_whose_launches_fail_reports_their_error_not_the_end_of_capture(monkeypatch):
+    calls = []
+
+    class Graph:
+        def capture_begin(self, pool, capture_error_mode):
+            pass
+
+        def capture_end(self):
+            raise RuntimeError("capture invalidated")
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda device, pool: calls.append("end"), raising=False)
+
+    def out_of_memory(G):
+        raise torch.OutOfMemoryError("CUDA out of memory while capturing")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        norm_graphs._capture((0, 0), out_of_memory, torch.zeros(2, 2), torch.device("cuda", 0))
+    assert calls == ["end"]
+
+
 def test_no_forward_ad_inside_even_for_a_dual_A(monkeypatch):
     """Leaving inference mode turns forward AD on too: G's out= GEMM on a dual A raised."""
     import torch.autograd.forward_ad as fwAD

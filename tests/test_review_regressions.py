@@ -447,3 +447,40 @@ def test_a_layer_on_another_gpu_than_the_current_one_gives_the_same_bits():
 
     on_1, on_0 = run(1), run(0)
     assert all(torch.equal(a, b) for a, b in zip(on_1, on_0))
+
+
+def test_our_numerics_holds_the_flags_off_until_the_last_of_several_threads_leaves():
+    """Calls on several threads (per-device backward threads, DataParallel replicas) overlap:
+    A enters, B enters, A leaves while B still runs. B must still run with 16-bit reduction off,
+    and the caller's flags come back only when B leaves (each call restoring on its own switched
+    them back on under B and left them off for good afterwards)."""
+    from doracheck.numerics import our_numerics
+
+    raw = getattr(torch._C, "_get_cublas_allow_bf16_reduced_precision_reduction", None)
+    if raw is None:
+        pytest.skip("this torch has no cuBLAS reduction flags")
+    before = raw()
+
+    def off(value):
+        return (value[0] if isinstance(value, tuple) else value) is False
+
+    assert not off(before), "expects torch's default, 16-bit reduction allowed"
+    a, b = our_numerics("cuda"), our_numerics("cuda")
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)
+    assert off(raw())  # B still inside
+    b.__exit__(None, None, None)
+    assert raw() == before
+
+
+def test_registered_op_bodies_launch_on_their_tensors_device(monkeypatch):
+    """A graph compiled with aot_eager (or the eager backend) runs the registered op bodies
+    themselves, not ``ops.call``: they take the same device guard (stand-ins for CUDA)."""
+    from doracheck.kernels import ops
+
+    seen = []
+    monkeypatch.setattr(ops, "launch_device", lambda args: seen.append(args) or None)
+    body = ops._guarded(lambda base, scale=1.0: base * scale)
+    x = torch.ones(3)
+    assert torch.equal(body(x, scale=2.0), x * 2.0) and seen == [(x,)]
