@@ -19,6 +19,7 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
+from row_csv import print_report
 
 from doracheck import autograd as dora_autograd
 from doracheck import backward as backward_pass
@@ -145,11 +146,7 @@ def main() -> int:
     th.start()
     th.join()
     lines.append(f"{'10 torch.add on 8 floats, other thread':44s} {result['us']:9.1f} µs")
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report + "\n")
+    print_report(lines, args.out)
     return 0
 
 

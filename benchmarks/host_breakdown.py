@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from row_csv import print_report
 
 from doracheck import autograd as dora_autograd
 from doracheck import backward as backward_pass
@@ -199,11 +200,7 @@ def main() -> int:
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(35)
     lines.append(f"== cProfile of {4 * args.n} forward + backward calls, by own time")
     lines.append(text.getvalue())
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+    print_report(lines, args.out)
     return 0
 
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from row_csv import print_report
 
 from doracheck import backward as backward_pass
 from doracheck import dispatch
@@ -138,11 +139,7 @@ def main() -> int:
                 row += f" {graph_host:11.1f} {graph_gpu:10.1f}  {same(got, ref)}"
             lines.append(row)
             print(row, flush=True)
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report + "\n")
+    print_report(lines, args.out)
     return 0
 
 

@@ -28,3 +28,12 @@ class RowWriter:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+
+
+def print_report(lines: list[str], out: str | None) -> None:
+    """Print a diagnostic's report and, with ``out``, write it to that file too."""
+    report = "\n".join(lines)
+    print(report)
+    if out:
+        with open(out, "w") as f:
+            f.write(report + "\n")

@@ -156,10 +156,9 @@ def test_a_failed_capture_turns_graphs_off_for_the_process_until_clear(monkeypat
     assert norm_graphs.enabled()
 
 
-def test_a_capture_that_fails_to_end_hands_the_pool_back_to_the_allocator(monkeypatch):
-    """torch 2.11's capture_end raises before telling the caching allocator the capture is
-    over; _capture then ends the pool allocation itself (stand-ins for the CUDA calls)."""
-    calls = []
+def _fake_capture_that_fails_to_end(monkeypatch, calls: list) -> None:
+    """Stand-ins for the CUDA calls of ``_capture``: ``capture_end`` raises, as torch 2.11's
+    does for an invalidated capture; begin and the allocator's end-of-pool call are recorded."""
 
     class Graph:
         def capture_begin(self, pool, capture_error_mode):
@@ -179,38 +178,28 @@ def test_a_capture_that_fails_to_end_hands_the_pool_back_to_the_allocator(monkey
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda device, pool: calls.append(("end", device, pool)),
                         raising=False)
+
+
+def test_a_capture_that_fails_to_end_hands_the_pool_back_to_the_allocator(monkeypatch):
+    """torch 2.11's capture_end raises before telling the caching allocator the capture is
+    over; _capture then ends the pool allocation itself."""
+    calls: list = []
+    _fake_capture_that_fails_to_end(monkeypatch, calls)
     with pytest.raises(RuntimeError, match="stream is capturing"):
         norm_graphs._capture((0, 0), lambda G: G, torch.zeros(2, 2), torch.device("cuda", 0))
     assert calls == [("begin", "pool"), ("end", 0, "pool")]
 
 
 def test_a_capture_whose_launches_fail_reports_their_error_not_the_end_of_capture(monkeypatch):
-    calls = []
-
-    class Graph:
-        def capture_begin(self, pool, capture_error_mode):
-            pass
-
-        def capture_end(self):
-            raise RuntimeError("capture invalidated")
-
-    class Stream:
-        def wait_stream(self, other):
-            pass
-
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: Stream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda device, pool: calls.append("end"), raising=False)
+    calls: list = []
+    _fake_capture_that_fails_to_end(monkeypatch, calls)
 
     def out_of_memory(G):
         raise torch.OutOfMemoryError("CUDA out of memory while capturing")
 
     with pytest.raises(torch.OutOfMemoryError):
         norm_graphs._capture((0, 0), out_of_memory, torch.zeros(2, 2), torch.device("cuda", 0))
-    assert calls == ["end"]
+    assert calls == [("begin", "pool"), ("end", 0, "pool")]
 
 
 def test_no_forward_ad_inside_even_for_a_dual_A(monkeypatch):
