@@ -1,0 +1,84 @@
+"""How many host operations one DoRA layer call issues: a regression budget for host time.
+
+The eager training step is host-bound on the H200 hosts: a torch op costs 8-11 µs of CPU
+there and a Triton launch 39-78 µs (README, "Misses, and why"; benchmarks/results/
+host_breakdown_h200_*.txt), so every op added to a layer call costs about 0.3-0.9 ms a step on
+the benchmark model (28 layers, forward twice with checkpointing). This counts, on the PEFT
+path (``dora_from_base``) with the Triton backend under the interpreter (launches counted, not
+run), the torch ops (a ``TorchDispatchMode``) and the Triton launches of a steady-state
+training forward, its backward, and an inference forward. The budgets are the counts measured
+on 2026-12-01 (torch 2.13, CPU build): a change that adds ops must raise them here with its
+reason; one that removes ops should lower them. On a GPU the norm's launches are one graph
+replay and G is a cuBLAS GEMM, so the GPU counts differ; this is the proxy CI can run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from doracheck.autograd import dora_from_base
+from doracheck.dispatch import use_path
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="counts the interpreter's Triton path (CI's); a GPU issues other launches",
+)
+
+# (torch ops, Triton launches) at most, per call; measured 2026-12-01 (torch 2.13, triton 3.9).
+BUDGET = {
+    "training forward": (15, 5),  # 5 launches: gram, two row-dots, finish, compose (one graph replay on a GPU)
+    "backward": (20, 2),  # dz/dm, lost rows
+    "inference forward": (13, 5),  # after a backward the norm is computed again (the reuse rule)
+}
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_layer_call_issues_no_more_host_operations_than_its_budget(monkeypatch):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launches: Counter = Counter()
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launches.update([self.fn.__name__]))
+    torch.manual_seed(0)
+    T, d_in, d_out, r, dt = 16, 32, 48, 8, torch.bfloat16
+    W = torch.randn(d_out, d_in, dtype=dt)
+    A = torch.randn(r, d_in, dtype=dt, requires_grad=True)
+    B = torch.randn(d_out, r, dtype=dt, requires_grad=True)
+    m = torch.rand(d_out, dtype=dt, requires_grad=True)
+    x = torch.randn(1, T, d_in, dtype=dt, requires_grad=True)
+    dy = torch.randn(1, T, d_out, dtype=dt)
+
+    def counted(fn, *args):
+        launches.clear()
+        with _CountOps() as mode:
+            out = fn(*args)
+        return out, (sum(mode.ops.values()), sum(launches.values())), dict(mode.ops), dict(launches)
+
+    def layer(base):
+        return dora_from_base(x, base, W, A, B, m, None, 2.0)
+
+    seen = {}
+    with use_path("triton"):
+        for _ in range(2):  # the second round is the steady state (first-call caches filled)
+            y, *seen["training forward"] = counted(layer, torch.nn.functional.linear(x, W))
+            _, *seen["backward"] = counted(y.backward, dy)
+            for t in (x, A, B, m):
+                t.grad = None
+            with torch.no_grad():
+                _, *seen["inference forward"] = counted(layer, torch.nn.functional.linear(x, W))
+    over = {name: (counts, ops, kernels) for name, (counts, ops, kernels) in seen.items()
+            if counts[0] > BUDGET[name][0] or counts[1] > BUDGET[name][1]}
+    assert not over, f"host operations over budget (torch ops, launches), with the ops and launches: {over}"
