@@ -41,8 +41,9 @@ _ZEROS: dict = {}
 
 def _zero_scalar(like: torch.Tensor) -> torch.Tensor:
     """A 0-dim zero of ``like``'s dtype and device, made once (it is only an ignored addend).
-    Only for plain tensors outside any tracing: a fake or functional tensor cached here would
-    break every later eager call."""
+    Only for plain tensors outside any tracing (a fake or functional tensor cached here would
+    break every later eager call) and outside CUDA-graph capture (where the fill is recorded,
+    not run)."""
     from doracheck.kernels.tracing import tracing
 
     if type(like) is not torch.Tensor or tracing():
@@ -50,7 +51,12 @@ def _zero_scalar(like: torch.Tensor) -> torch.Tensor:
     key = (like.dtype, like.device)
     zero = _ZEROS.get(key)
     if zero is None:
-        zero = _ZEROS[key] = like.new_zeros(())
+        if like.is_cuda and torch.cuda.is_current_stream_capturing():
+            return like.new_zeros(())  # a capture only records the fill: never cache that memory
+        zero = like.new_zeros(())
+        if like.is_cuda:  # filled before any stream may read it (the cache serves every stream)
+            torch.cuda.current_stream(like.device).synchronize()
+        _ZEROS[key] = zero
     return zero
 
 

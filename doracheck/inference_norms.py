@@ -86,6 +86,11 @@ class NormSlot:
         fan_in_fan_out = bool(getattr(self.module, "fan_in_fan_out", False))
         if W.dim() != 2 or A.dim() != 2 or B.dim() != 2:
             return False
+        if W.is_meta or A.is_meta or B.is_meta:
+            # Offloaded (accelerate's device_map to "cpu"/"disk", cpu_offload): the weights are
+            # meta tensors until the layer's own hook loads them inside the forward; the layer
+            # then computes its norm itself.
+            return False
         d_out, d_in = (W.shape[1], W.shape[0]) if fan_in_fan_out else (W.shape[0], W.shape[1])
         if A.shape[1] != d_in or tuple(B.shape) != (d_out, A.shape[0]):
             return False

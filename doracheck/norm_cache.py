@@ -18,7 +18,9 @@ never licenses reuse. The rule, by the kind of forward asking:
      time (a tutorial ``p.data -= lr*p.grad``), so until the next optimizer step or training
      forward starts a new era, a forward without grad mode neither reads nor stores;
    - the tensors are the same objects, at the same address, with the same version counter,
-     s, layout, shape, dtype and device (in-place writes under ``no_grad``, ``load_state_dict``).
+     s, layout, shape, dtype and device (in-place writes under ``no_grad``, ``load_state_dict``),
+     and the current CUDA stream is the one the norm was computed on (another stream could read
+     it before its kernels finish).
 
 So training pays one norm per forward (a gradient-accumulation micro-step included) and none
 per checkpoint recompute; inference and decode pay one norm until the model is trained or
@@ -115,10 +117,25 @@ def _fingerprint(t: torch.Tensor):
     return (id(t), t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device)
 
 
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream_of(t: torch.Tensor):
+    """The current CUDA stream on ``t``'s device (its handle), None for other tensors. Part of
+    the key: a norm computed on one stream is read only on that stream, since another stream
+    could read it before its kernels finish (threads serving with a stream each)."""
+    if not t.is_cuda:
+        return None
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(t.device.index)
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
 def _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude):
     try:
         mag = _fingerprint(magnitude) if magnitude is not None else None
-        return (_fingerprint(weight), _fingerprint(lora_A), _fingerprint(lora_B), mag, float(scaling), bool(fan_in_fan_out))
+        return (_fingerprint(weight), _fingerprint(lora_A), _fingerprint(lora_B), mag, float(scaling), bool(fan_in_fan_out),
+                _stream_of(weight))
     except RuntimeError:  # inference tensors have no version counter
         return None
 

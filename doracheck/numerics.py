@@ -121,6 +121,15 @@ def _numerics_general(device_type: str):
 _NOTHING = contextlib.nullcontext()
 
 
+def _autocast_enabled(device_type: str) -> bool:
+    """``torch.is_autocast_enabled``, False for a device type autocast does not know (meta
+    tensors of an offloaded model), where torch raises."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return False
+
+
 def our_numerics(device_type: str):
     """The numerics doracheck's GEMMs run with, for the duration of a forward or backward
     (``with our_numerics(device_type):``):
@@ -133,7 +142,7 @@ def our_numerics(device_type: str):
     Nothing is changed while torch.compile traces (the compiled graph picks its own GEMMs).
     Entered several times per layer call on the host-bound eager path, so the common case (no
     autocast, not tracing) takes a plain class over torch's flag functions."""
-    if torch.compiler.is_compiling() or torch.is_autocast_enabled(device_type):
+    if torch.compiler.is_compiling() or _autocast_enabled(device_type):
         return _numerics_general(device_type)
     if device_type != "cuda" or tracing():
         return _NOTHING

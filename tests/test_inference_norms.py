@@ -358,3 +358,44 @@ def test_enable_without_norm_buffers(monkeypatch):
     ids = tokens(10)
     assert torch.equal(_logits(m, ids), _unarmed(monkeypatch, m, ids))
     assert not m._forward_pre_hooks and not any("_doracheck_norm" in name for name, _ in m.named_buffers())
+
+
+def test_an_offloaded_model_runs_with_norm_buffers_on():
+    """accelerate's offload (device_map to "cpu"/"disk", cpu_offload) keeps W, A, B as meta
+    tensors until the block's own hook loads them inside the forward, after the model's
+    pre-hook: the buffers are not armed for those layers (refreshing them raised "unknown
+    device type for autocast"), which compute their norm themselves, bitwise as without offload."""
+    pytest.importorskip("accelerate")
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+    from peft import LoraConfig, get_peft_model
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2 = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.l2(torch.relu(self.l1(x)))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, x):
+            return self.block(x)
+
+    torch.manual_seed(0)
+    model = get_peft_model(Model(), LoraConfig(r=4, target_modules=["l1", "l2"], use_dora=True, init_lora_weights=False))
+    enable(model)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        want = model(x)
+    block = model.base_model.model.block
+    weights = {k: v.detach().clone() for k, v in block.state_dict().items()}
+    add_hook_to_module(block, AlignDevicesHook(execution_device=torch.device("cpu"), offload=True, weights_map=weights,
+                                               place_submodules=True))
+    assert block.l1.lora_A["default"].weight.is_meta  # offloaded between forwards
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(x), want)

@@ -484,3 +484,45 @@ def test_registered_op_bodies_launch_on_their_tensors_device(monkeypatch):
     body = ops._guarded(lambda base, scale=1.0: base * scale)
     x = torch.ones(3)
     assert torch.equal(body(x, scale=2.0), x * 2.0) and seen == [(x,)]
+
+
+def test_a_stored_norm_is_read_only_on_the_stream_it_was_computed_on(monkeypatch):
+    """Threads serving one model with a CUDA stream each: a norm computed on stream A must not
+    be read on stream B, which could read it before A's kernels finish (the current stream is
+    part of the cache key; stand-in streams here)."""
+    from doracheck import norm_cache
+
+    stream = {"now": 1}
+    monkeypatch.setattr(norm_cache, "_stream_of", lambda t: stream["now"])
+    clear_norm_cache()
+    W, A, B = torch.randn(6, 5), torch.randn(2, 5), torch.randn(6, 2)
+    computed = []
+
+    def compute():
+        computed.append(stream["now"])
+        return torch.ones(6)
+
+    with torch.no_grad():
+        for now in (1, 1, 2, 2, 1):
+            stream["now"] = now
+            norm_cache.lookup_or_compute(W, A, B, 1.0, False, compute, recording=False)
+    assert computed == [1, 2, 1]  # each stream computes its own; the same stream reads its own
+    clear_norm_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_cached_zero_addend_is_never_made_inside_a_graph_capture():
+    """A zero made while a stream is being captured is only recorded, never filled: it must not
+    be kept for later eager calls (dB's addcmul reads it)."""
+    from doracheck import backward as backward_pass
+
+    backward_pass._ZEROS.clear()
+    like = torch.ones(3, device="cuda", dtype=torch.bfloat16)
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        backward_pass._zero_scalar(like)
+    assert (like.dtype, like.device) not in backward_pass._ZEROS
+    zero = backward_pass._zero_scalar(like)
+    assert (like.dtype, like.device) in backward_pass._ZEROS and zero.item() == 0
