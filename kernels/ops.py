@@ -152,12 +152,8 @@ def launch_device(args) -> int | None:
             if not a.is_cuda:
                 return None
             index = a.device.index
-            return index if index != _current_device() else None
+            return index if index != torch.cuda.current_device() else None
     return None
-
-
-def _current_device() -> int:
-    return torch.cuda.current_device()  # (a CUDA tensor exists: CUDA is initialised)
 
 
 def _guarded(body: Callable[..., Any]) -> Callable[..., Any]:
