@@ -2,8 +2,9 @@
 process: the lent hosts differ by ±30% in host speed, and this step is host-bound, so two
 configurations are compared only within one process, round by round.
 
-Configurations: ``lora`` (PEFT LoRA, bf16 adapters) and ``dc:graphs=G,chunk=C`` (doracheck on
-the same PEFT DoRA model, CUDA-graph norm replays on (1) or off (0), backward chunk budget C MiB).
+Configurations: ``lora`` (PEFT LoRA, bf16 adapters) and ``dc:graphs=G,chunk=C,pass=P`` (doracheck
+on the same PEFT DoRA model, CUDA-graph norm replays on (1) or off (0), backward chunk budget
+C MiB, whole-pass graphs (doracheck.pass_graphs) on (1) or off (0, the default)).
 Each round runs every configuration for ``--steps`` timed steps after one untimed step; the
 row is the median over all rounds (CUDA events), with the host CPU time per step (process CPU
 time, all threads) beside it.
@@ -23,6 +24,7 @@ from bench_model import build
 from llama_model import add_llama_args
 from row_csv import RowWriter
 
+from doracheck import pass_graphs
 from doracheck.kernels import norm_graphs, settings
 from doracheck.timing import quantile
 
@@ -46,6 +48,7 @@ def main(argv=None) -> int:
     ap.add_argument("--csv")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--new-tokens", type=int, default=0)
+    ap.add_argument("--blocked", action="store_true", help="each configuration's rounds back to back")
     args, _ = ap.parse_known_args(argv)
     configs = parse_configs(args.configs)
     models = {}
@@ -66,6 +69,7 @@ def main(argv=None) -> int:
     def apply(c):
         os.environ["DORACHECK_NORM_GRAPHS"] = c.get("graphs", "1")
         settings.BACKWARD_CHUNK_BYTES = int(float(c.get("chunk", "16")) * 2**20)
+        os.environ["DORACHECK_PASS_GRAPHS"] = c.get("pass", "0")
 
     cuda = args.device == "cuda"
 
@@ -75,8 +79,13 @@ def main(argv=None) -> int:
 
     gpu_ms = {name: [] for name, _ in configs}
     cpu_ms = {name: [] for name, _ in configs}
-    for _ in range(args.rounds):
-        for name, c in configs:
+    # Interleaved (default): every configuration in each round, so host drift hits all alike.
+    # --blocked: each configuration's rounds back to back, the loop a user runs (one model
+    # stepping again and again, so the allocator hands out the same addresses every step: what
+    # whole-pass graphs key on); still one process.
+    rounds = [[(name, c)] * args.rounds for name, c in configs] if args.blocked else [configs] * args.rounds
+    for batch in rounds:
+        for name, c in batch:
             apply(c)
             step(c["kind"])  # untimed: the first step after a switch
             sync()
@@ -107,7 +116,7 @@ def main(argv=None) -> int:
         ratio = med / base if base else float("nan")
         print(f"{name:32s} {med:8.2f} {quantile(t, 0.2):8.2f} {quantile(t, 0.8):8.2f} {quantile(h, 0.5):12.2f} {ratio:7.3f}")
         if writer:
-            writer.add({"config": name, "mode": "eager_gc", "optimizer": "adamw_fused", "value": round(med, 3),
+            writer.add({"config": name, "mode": "eager_gc_blocked" if args.blocked else "eager_gc", "optimizer": "adamw_fused", "value": round(med, 3),
                         "p20": round(quantile(t, 0.2), 3), "p80": round(quantile(t, 0.8), 3), "unit": "ms",
                         "host_cpu_ms": round(quantile(h, 0.5), 2), "ratio_to_lora": round(ratio, 3),
                         "samples": len(t), "seq": args.seq, "rank": args.rank, "layers": args.layers,
@@ -115,6 +124,10 @@ def main(argv=None) -> int:
     if writer:
         writer.close()
     print("norm graphs:", norm_graphs.stats(), file=sys.stderr)
+    print("pass graphs:", pass_graphs.stats(), file=sys.stderr)
+    if cuda:
+        print(f"peak memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated, "
+              f"{torch.cuda.max_memory_reserved() / 2**30:.2f} GiB reserved", file=sys.stderr)
     return 0
 
 
