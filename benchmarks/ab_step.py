@@ -2,9 +2,8 @@
 process: the lent hosts differ by ±30% in host speed, and this step is host-bound, so two
 configurations are compared only within one process, round by round.
 
-Configurations: ``lora`` (PEFT LoRA, bf16 adapters) and ``dc:graphs=G,chunk=C,pass=P`` (doracheck
-on the same PEFT DoRA model, CUDA-graph norm replays on (1) or off (0), backward chunk budget
-C MiB, whole-pass graphs (doracheck.pass_graphs) on (1) or off (0, the default)).
+Configurations: ``lora`` (PEFT LoRA, bf16 adapters) and ``dc:graphs=G,chunk=C`` (doracheck on
+the same PEFT DoRA model, CUDA-graph norm replays on (1) or off (0), backward chunk budget C MiB).
 Each round runs every configuration for ``--steps`` timed steps after one untimed step; the
 row is the median over all rounds (CUDA events), with the host CPU time per step (process CPU
 time, all threads) beside it.
@@ -24,7 +23,6 @@ from bench_model import build
 from llama_model import add_llama_args
 from row_csv import RowWriter
 
-from doracheck import pass_graphs
 from doracheck.kernels import norm_graphs, settings
 from doracheck.timing import quantile
 
@@ -69,7 +67,6 @@ def main(argv=None) -> int:
     def apply(c):
         os.environ["DORACHECK_NORM_GRAPHS"] = c.get("graphs", "1")
         settings.BACKWARD_CHUNK_BYTES = int(float(c.get("chunk", "16")) * 2**20)
-        os.environ["DORACHECK_PASS_GRAPHS"] = c.get("pass", "0")
 
     cuda = args.device == "cuda"
 
@@ -81,8 +78,7 @@ def main(argv=None) -> int:
     cpu_ms = {name: [] for name, _ in configs}
     # Interleaved (default): every configuration in each round, so host drift hits all alike.
     # --blocked: each configuration's rounds back to back, the loop a user runs (one model
-    # stepping again and again, so the allocator hands out the same addresses every step: what
-    # whole-pass graphs key on); still one process.
+    # stepping again and again); still one process.
     rounds = [[(name, c)] * args.rounds for name, c in configs] if args.blocked else [configs] * args.rounds
     for batch in rounds:
         for name, c in batch:
@@ -124,7 +120,6 @@ def main(argv=None) -> int:
     if writer:
         writer.close()
     print("norm graphs:", norm_graphs.stats(), file=sys.stderr)
-    print("pass graphs:", pass_graphs.stats(), file=sys.stderr)
     if cuda:
         print(f"peak memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated, "
               f"{torch.cuda.max_memory_reserved() / 2**30:.2f} GiB reserved", file=sys.stderr)

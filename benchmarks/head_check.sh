@@ -13,7 +13,10 @@ if [[ $PARTS == *,tests,* ]]; then
   step gpu_tests 300 $PY -m pytest -m gpu -q -n 4 -p no:cacheprovider -rs $GPU_TESTS
 fi
 if [[ $PARTS == *,memcheck,* ]]; then
-  step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_norm_graphs.py
+  # The test that makes a capture fail on purpose is left out: the CUDA API errors memcheck reports
+  # for it (cudaErrorStreamCaptureUnsupported, ...Invalidated) are what it provokes (fifth session).
+  step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_norm_graphs.py -k "not failed_capture"
 fi
 if [[ $PARTS == *,verify,* ]]; then
   step verify 120 doracheck verify --quick

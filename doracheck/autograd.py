@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import backward as backward_pass
-from . import dispatch, norm_cache, pass_graphs
+from . import dispatch, norm_cache
 from . import forward as forward_pass
 from .kernels.compose_torch import accumulation_dtype
 from .kernels.tracing import tracing
@@ -125,12 +125,10 @@ class DoRAFromBaseFunction(torch.autograd.Function):
         T, d_out = saved.x2.shape[0], saved.g.shape[0]
         saved = saved._replace(h=saved.h.reshape(T, d_out))
         need = ctx.needs_input_grad  # result, x, weight, lora_A, lora_B, magnitude, bias
-        wanted = Need(need[1], False, need[3], need[4], need[5], need[6])
         with our_numerics(dy.device.type):
-            grads = pass_graphs.from_output_backward(saved, dy, a, ctx.lead, wanted) if ctx.result_is_base else None
-            if grads is None:
-                grads = backward_pass.layer_backward(saved, dy, a, ctx.lead, wanted, base_in_dx=ctx.result_is_base)
-            dx, _dW, dA, dB, dm, db = grads
+            dx, _dW, dA, dB, dm, db = backward_pass.layer_backward(
+                saved, dy, a, ctx.lead, Need(need[1], False, need[3], need[4], need[5], need[6]), base_in_dx=ctx.result_is_base
+            )
             d_result = None
             if not ctx.result_is_base:
                 d_result, db = _through_result(dy.reshape(T, d_out), saved, db)

@@ -132,7 +132,7 @@ class _Pass:
         return self.step < self.dy2.shape[0]
 
 
-def _setup(saved: Saved, dy: torch.Tensor, a: LayerArgs, need: Need, base_in_dx: bool, dx_out: torch.Tensor | None) -> _Pass:
+def _setup(saved: Saved, dy: torch.Tensor, a: LayerArgs, need: Need, base_in_dx: bool) -> _Pass:
     x2 = saved.x2
     cd, T, d_out = x2.dtype, x2.shape[0], saved.g.shape[0]
     dy2 = in_dtype(dy.reshape(T, d_out), cd).contiguous()  # T from x: with d_out = 0, -1 would be ambiguous
@@ -144,7 +144,7 @@ def _setup(saved: Saved, dy: torch.Tensor, a: LayerArgs, need: Need, base_in_dx:
         xa = dropped(x2, saved.keep, a.dropout_p) @ A.t()
     Wm = torch.addmm(W, B, A, alpha=a.scaling) if variant.order == "merged" and need.dx and T > 0 else None
     p = _Pass(saved, a, need, dy2, W, A, B, xa, Wm, base_in_dx, step)
-    p.dx2 = (dx_out if dx_out is not None else torch.empty(T, x2.shape[1], dtype=cd, device=x2.device)) if need.dx else None
+    p.dx2 = torch.empty(T, x2.shape[1], dtype=cd, device=x2.device) if need.dx else None
     p.prescaled = p.chunked and saved.keep is None and Wm is None and (
         cd == torch.float32 or (cd == torch.bfloat16 and _fp32_out_gemm(x2)))
     return p
@@ -286,14 +286,12 @@ def _exact_norm_terms(p: _Pass, raw: Any, dA, dB, dW_rows):
     return dA, dB, dW_rows
 
 
-def layer_backward(saved: Saved, dy: torch.Tensor, a: LayerArgs, lead: tuple, need: Need, base_in_dx: bool = True,
-                   dx_out: torch.Tensor | None = None) -> Grads:
+def layer_backward(saved: Saved, dy: torch.Tensor, a: LayerArgs, lead: tuple, need: Need, base_in_dx: bool = True) -> Grads:
     """dx, dW, dA, dB, dm, db of the module docstring for upstream ``dy``. ``base_in_dx=False``
     (a from-base layer whose ``result`` is not x·Wᵀ + b: it carries another adapter's output)
     leaves out of dx the term through the base output (dz·W, or dy·W with dropout): that
-    gradient reaches x through ``result`` instead. ``dx_out``: a contiguous (T, d_in) tensor
-    of x's compute dtype that dx is written into (a pass graph's, ``doracheck.pass_graphs``)."""
-    p = _setup(saved, dy, a, need, base_in_dx, dx_out)
+    gradient reaches x through ``result`` instead."""
+    p = _setup(saved, dy, a, need, base_in_dx)
     T, d_out = p.dy2.shape
     acc, dev, d_in, r = p.acc, saved.x2.device, saved.x2.shape[1], p.A.shape[0]
     _prescale(p)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from . import norm_cache, pass_graphs, planner
+from . import norm_cache, planner
 from .kernels.backends import Backend
 from .kernels.compose_torch import magnitude_scale
 from .kernels.constants import EPS
@@ -151,15 +151,6 @@ def from_base_forward(result: torch.Tensor, x: torch.Tensor, a: LayerArgs, keep_
     g_in_kernel = not need_saved and keep_mask is None
     if n_safe is not None and not need_saved:
         fn, g = None, None if g_in_kernel else magnitude_scale(a.magnitude, n_safe)
-    elif need_saved and keep_mask is None and in_place and result_is_base and bias is None and pass_graphs.enabled():
-        # The case a whole-pass CUDA graph may serve (doracheck.pass_graphs): the norm as usual,
-        # the rest replayed; where no graph serves the call, g and the rest run eagerly below.
-        fn, _, n_safe = norm_and_scale(backend, a, need_g=False, recording=True)
-        replayed = pass_graphs.from_output_forward(r2, x2, a, backend, fn.norm)
-        if replayed is not None:
-            xa, g, n, n_safe = replayed
-            return out, Saved(x2, None, xa, out, g, n, n_safe, None, None, backend, True, planner.DEFAULT)
-        g = magnitude_scale(a.magnitude, n_safe)
     else:
         fn, g, n_safe = norm_and_scale(backend, a, need_g=not g_in_kernel, recording=need_saved)
     A = in_dtype(a.lora_A, cd)
