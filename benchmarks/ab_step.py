@@ -3,7 +3,8 @@ process: the lent hosts differ by ±30% in host speed, and this step is host-bou
 configurations are compared only within one process, round by round.
 
 Configurations: ``lora`` (PEFT LoRA, bf16 adapters) and ``dc:graphs=G,chunk=C`` (doracheck on
-the same PEFT DoRA model, CUDA-graph norm replays on (1) or off (0), backward chunk budget C MiB).
+the same PEFT DoRA model, CUDA-graph norm replays on (1) or off (0), backward chunk budget C MiB);
+either with ``mt=0`` runs its backward on the calling thread (``set_multithreading_enabled(False)``).
 Each round runs every configuration for ``--steps`` timed steps after one untimed step; the
 row is the median over all rounds (CUDA events), with the host CPU time per step (process CPU
 time, all threads) beside it.
@@ -58,9 +59,14 @@ def main(argv=None) -> int:
             models[kind] = (model, torch.optim.AdamW(params, lr=1e-5, fused=True))
     ids = torch.randint(0, 32000, (1, args.seq), generator=torch.Generator().manual_seed(1)).to(args.device)
 
-    def step(kind):
+    def step(kind, single_thread=False):
         model, opt = models[kind]
-        model(ids, labels=ids).loss.backward()
+        loss = model(ids, labels=ids).loss
+        # mt=0: the backward on the calling thread (torch.autograd.set_multithreading_enabled(False)),
+        # not handed to autograd's per-device thread (function_gap_probe.py: 1.17 ms against 1.90 ms
+        # for one layer's forward + backward on the H200).
+        with torch.autograd.set_multithreading_enabled(not single_thread):
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -83,14 +89,14 @@ def main(argv=None) -> int:
     for batch in rounds:
         for name, c in batch:
             apply(c)
-            step(c["kind"])  # untimed: the first step after a switch
+            step(c["kind"], c.get("mt") == "0")  # untimed: the first step after a switch
             sync()
             for _ in range(args.steps):
                 c0, w0 = time.process_time(), time.perf_counter()
                 if cuda:
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
-                step(c["kind"])
+                step(c["kind"], c.get("mt") == "0")
                 if cuda:
                     end.record()
                 c1 = time.process_time()
