@@ -1,6 +1,11 @@
 """A PEFT-path layer's forward without autograd at a few tokens (decode), replayed from a CUDA
 graph over copies of its activations. Opt-in: ``DORACHECK_DECODE_GRAPHS=1`` (read at every call).
 
+Experimental: built and tested on the CPU (a stand-in capture under the Triton interpreter)
+when the session's GPU time had run out, so not yet run on a GPU; the first call that uses it
+warns. ``benchmarks/decode_check.sh`` runs its GPU test, the inference-norm GPU tests with it on
+and the decode A/B in one device call; until that has passed it stays off by default.
+
 Why (issue 17): eager decode is host-bound. A layer's inference forward is x·Aᵀ and the
 compose, two launches, but with the Python between them it costs about 0.23-0.29 ms of host
 time per token on the lent H200 hosts against a few µs of GPU work, and a model pays it for
@@ -54,13 +59,18 @@ _seen: OrderedDict[tuple, int] = OrderedDict()
 _pools: dict[tuple, Any] = {}
 _warm_devices: set[int] = set()
 _stats = {"captures": 0, "replays": 0, "failed": 0}
-_state = {"off": False}
+_state = {"off": False, "warned": False}
 
 
 def enabled() -> bool:
     """On with ``DORACHECK_DECODE_GRAPHS=1``; never without torch's caching allocator
     (``PYTORCH_NO_CUDA_MEMORY_CACHING=1``) or after a failed capture (until ``clear()``)."""
-    return os.environ.get("DORACHECK_DECODE_GRAPHS", "0") == "1" and not _state["off"] and not norm_graphs._NO_CACHING
+    on = os.environ.get("DORACHECK_DECODE_GRAPHS", "0") == "1" and not _state["off"] and not norm_graphs._NO_CACHING
+    if on and not _state["warned"]:
+        _state["warned"] = True
+        warnings.warn("doracheck: DORACHECK_DECODE_GRAPHS=1 turns on an experimental path that has not yet been "
+                      "run on a GPU (doracheck/decode_graphs.py)", RuntimeWarning, stacklevel=3)
+    return on
 
 
 def stats() -> dict:

@@ -22,6 +22,7 @@ _interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="stand-in on
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
+    monkeypatch.setitem(decode_graphs._state, "warned", True)  # the experimental-path warning: its own test
     decode_graphs.clear()
     monkeypatch.delenv("DORACHECK_DECODE_GRAPHS", raising=False)
     yield
@@ -107,6 +108,18 @@ def test_replays_are_the_eager_forward_for_moving_activations_and_follow_writes(
             assert torch.equal(got, expected[i]), i
     stats = decode_graphs.stats()
     assert stats["captures"] == 2 and stats["replays"] == 3, stats  # T = 1 from its second call, T = 3 at its second
+
+
+def test_turning_the_experimental_path_on_warns_once(monkeypatch):
+    monkeypatch.setitem(decode_graphs._state, "warned", False)
+    monkeypatch.setenv("DORACHECK_DECODE_GRAPHS", "1")
+    with pytest.warns(RuntimeWarning, match="experimental path that has not yet been run on a GPU"):
+        assert decode_graphs.enabled()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert decode_graphs.enabled()
 
 
 @pytest.mark.interpreter
