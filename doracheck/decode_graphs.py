@@ -46,7 +46,7 @@ from .kernels import norm_graphs
 from .kernels.tracing import tracing
 from .layer_state import LayerArgs
 
-MAX_TOKENS = 64
+MAX_TOKENS = 16  # each token count is a graph per layer with buffers of its own: keep the set small
 CAPTURE_AFTER = 2
 MAX_GRAPHS = 4096
 MAX_SEEN = 8192
@@ -128,7 +128,7 @@ def replayed(r2: torch.Tensor, x2: torch.Tensor, a: LayerArgs, backend, n_safe: 
     if not enabled() or tracing() or backend.name != "triton":
         return False
     T, d_out = r2.shape
-    if not 0 < T <= MAX_TOKENS or d_out == 0 or x2.dtype != r2.dtype or not r2.is_contiguous():
+    if not 0 < T <= MAX_TOKENS or d_out == 0 or x2.dtype != r2.dtype or not (r2.is_contiguous() and x2.is_contiguous()):
         return False
     A, B, m = a.lora_A, a.lora_B, a.magnitude
     if not _usable(r2, x2, A, B, m, n_safe, bias):
