@@ -33,7 +33,7 @@ def parse_configs(text: str) -> list[tuple[str, dict]]:
     out = []
     for part in text.split(";"):
         kind, _, rest = part.partition(":")
-        opts = dict(kv.split("=") for kv in rest.split(",")) if rest else {}
+        opts = dict(kv.split("=", 1) for kv in rest.split(",")) if rest else {}
         out.append((part, {"kind": kind, **opts}))
     return out
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from . import decode_graphs, norm_cache, planner
+from . import norm_cache, planner
 from .kernels.backends import Backend
 from .kernels.compose_torch import magnitude_scale
 from .kernels.constants import EPS
@@ -155,8 +155,7 @@ def from_base_forward(result: torch.Tensor, x: torch.Tensor, a: LayerArgs, keep_
         fn, g, n_safe = norm_and_scale(backend, a, need_g=not g_in_kernel, recording=need_saved)
     A = in_dtype(a.lora_A, cd)
     if g_in_kernel:  # inference: g = m / n inside the compose, nothing kept
-        if not decode_graphs.replayed(r2, x2, a, backend, n_safe, bias):  # a CUDA graph at few tokens, opt-in
-            _write(r2, backend.compose_infer(r2, x2 @ A.t(), a.lora_B, a.magnitude, n_safe, bias, a.scaling, True))
+        _write(r2, backend.compose_infer(r2, x2 @ A.t(), a.lora_B, a.magnitude, n_safe, bias, a.scaling, True))
         return out, None
     keep, x_d = _keep(keep_mask, x, x2, a.dropout_p)
     xa = x_d @ A.t()

@@ -99,12 +99,8 @@ def clear() -> None:
         _state.update(off=False, dead=False)
 
 
-def layout(t: torch.Tensor) -> tuple:
-    """What a captured launch assumes of a tensor it reads: address, shape, strides, dtype."""
+def _layout(t: torch.Tensor) -> tuple:
     return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
-
-
-_layout = layout
 
 
 def layout_key(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, fan_in_fan_out: bool) -> tuple:
@@ -127,43 +123,28 @@ def _key(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scali
     return (weight.device.index, stream.cuda_stream, *layout_key(weight, lora_A, lora_B, scaling, fan_in_fan_out))
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The one side stream per device that graph captures run on (a capture may not run on the
-    default stream); shared with ``doracheck.pass_graphs``."""
-    side = _capture_streams.get(device.index)
+def _capture(key: tuple, terms: Callable[[torch.Tensor], torch.Tensor], G: torch.Tensor, device: torch.device) -> tuple:
+    """Capture ``terms(G)``'s launches on a side stream into a graph of the (device, stream)
+    pool; returns (graph, its static (4, d_out) output). Nothing runs during a capture."""
+    pool = _pools.get(key[:2])
+    if pool is None:
+        pool = _pools[key[:2]] = torch.cuda.graph_pool_handle()
+    side = _capture_streams.get(key[0])
     if side is None:
-        side = _capture_streams[device.index] = torch.cuda.Stream(device)
-    return side
-
-
-def capture_into_pool(fn: Callable[[], Any], device: torch.device, pool) -> tuple:
-    """(graph, ``fn()``'s result): ``fn``'s launches captured on the device's side stream, in
-    thread-local mode, into a graph whose allocations come from ``pool``. Nothing runs during a
-    capture. If ``fn`` raises, its own error is the one reported; the allocator is told the
-    capture ended either way."""
-    side = side_stream(device)
+        side = _capture_streams[key[0]] = torch.cuda.Stream(device)
     current = torch.cuda.current_stream(device)
     side.wait_stream(current)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
-            out = fn()
+            out = terms(G)
         except BaseException:
             _end_capture(graph, device, pool, raising=False)  # the launches' own error is the one to report
             raise
         _end_capture(graph, device, pool, raising=True)
     current.wait_stream(side)
     return graph, out
-
-
-def _capture(key: tuple, terms: Callable[[torch.Tensor], torch.Tensor], G: torch.Tensor, device: torch.device) -> tuple:
-    """Capture ``terms(G)``'s launches into a graph of the (device, stream) pool; returns
-    (graph, its static (4, d_out) output)."""
-    pool = _pools.get(key[:2])
-    if pool is None:
-        pool = _pools[key[:2]] = torch.cuda.graph_pool_handle()
-    return capture_into_pool(lambda: terms(G), device, pool)
 
 
 def _end_capture(graph, device: torch.device, pool, raising: bool) -> None:
