@@ -13,14 +13,11 @@ cumulative time, so the gap is located before anything is changed.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from host_breakdown import host_us
+from host_breakdown import cprofile_text, host_us, profiler_table
 from row_csv import print_report
 
 from doracheck import autograd as dora_autograd
@@ -111,7 +108,6 @@ def main() -> int:
         print(lines[-1], flush=True)
     if cuda:  # host and GPU time side by side: a row whose GPU time is its host time is GPU-bound
         from layer_graph_probe import host_and_gpu_us
-        from torch.profiler import ProfilerActivity, profile
 
         def single_thread_step():  # the backward on this thread: no hand-over to autograd's device thread
             with torch.autograd.set_multithreading_enabled(False):
@@ -124,12 +120,8 @@ def main() -> int:
             host, gpu_time = host_and_gpu_us(fn, args.n, True)
             lines.append(f"{name:52s} host {host:9.1f}  GPU {gpu_time:9.1f}")
             print(lines[-1], flush=True)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as torch_prof:
-            for _ in range(args.n):
-                step(x)
-            sync()
         lines.append(f"== torch.profiler over {args.n} forward + backward calls, by self CUDA time")
-        lines.append(torch_prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+        lines.append(profiler_table(lambda: step(x), args.n, sync, "self_cuda_time_total", 25))
     # The same with the cuBLAS flags left as they are (numerics' switch made a no-op): what switching costs.
     enter, leave = numerics._flags_enter, numerics._flags_exit
     numerics._flags_enter = numerics._flags_exit = lambda: None
@@ -141,16 +133,8 @@ def main() -> int:
     numerics._flags_enter, numerics._flags_exit = enter, leave
     for name, fn in (("recorded forward + backward, x requiring grad", lambda: step(x)),
                      ("forward direct + layer_backward alone", lambda: _direct_both(direct, a, x, dy2, T, need))):
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(4 * args.n):
-            fn()
-        sync()
-        prof.disable()
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
         lines.append(f"== cProfile of {4 * args.n} calls of: {name}, by cumulative time")
-        lines.append(text.getvalue())
+        lines.append(cprofile_text(fn, 4 * args.n, sync, "cumulative", 45))
     print_report(lines, args.out)
     return 0
 

@@ -51,6 +51,30 @@ def host_us(fn: Callable[[], object], n: int, sync: Callable[[], None]) -> float
     return sorted(per_batch)[2]
 
 
+def cprofile_text(fn: Callable[[], object], calls: int, sync: Callable[[], None], sort: str, limit: int) -> str:
+    """cProfile's table of ``calls`` calls of ``fn`` (the device drained at the end), sorted by ``sort``."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    sync()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats(sort).print_stats(limit)
+    return text.getvalue()
+
+
+def profiler_table(fn: Callable[[], object], calls: int, sync: Callable[[], None], sort_by: str, rows: int) -> str:
+    """torch.profiler's table (CPU and CUDA) of ``calls`` calls of ``fn``, sorted by ``sort_by``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as torch_prof:
+        for _ in range(calls):
+            fn()
+        sync()
+    return torch_prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)
+
+
 class _Identity(torch.autograd.Function):
     """The cheapest autograd Function: what ``apply`` alone costs."""
 
@@ -182,24 +206,10 @@ def main() -> int:
         print(lines[-1], flush=True)
     lines.append(f"norm graphs: {norm_graphs.stats()}")
     if cuda:  # where the forward + backward's host time goes, op by op (autograd nodes included)
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as torch_prof:
-            for _ in range(args.n):
-                train_step()
-            sync()
         lines.append(f"== torch.profiler over {args.n} forward + backward calls, by self CPU")
-        lines.append(torch_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60))
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(4 * args.n):
-        train_step()
-    sync()
-    prof.disable()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(35)
+        lines.append(profiler_table(train_step, args.n, sync, "self_cpu_time_total", 40))
     lines.append(f"== cProfile of {4 * args.n} forward + backward calls, by own time")
-    lines.append(text.getvalue())
+    lines.append(cprofile_text(train_step, 4 * args.n, sync, "tottime", 35))
     print_report(lines, args.out)
     return 0
 
