@@ -59,20 +59,61 @@ _HOLDER = "_doracheck_norm_holder"  # on each entry point: the _Holder of its mo
 _ROLE = "_doracheck_norm_role"  # on each entry point: "outer" or "inner"
 
 
+def _find_holders(module: nn.Module, adapter: str) -> tuple | None:
+    """(the chain module -> base_layer -> ... -> the base layer, lora_A[adapter], lora_B[adapter]),
+    as PEFT's ``get_base_layer`` walks it, or None when the adapter is gone."""
+    chain = [module]
+    while "base_layer" in chain[-1]._modules:
+        chain.append(chain[-1]._modules["base_layer"])
+    lora_A, lora_B = module._modules.get("lora_A"), module._modules.get("lora_B")
+    if lora_A is None or lora_B is None:
+        return None
+    A_mod, B_mod = lora_A._modules.get(adapter), lora_B._modules.get(adapter)
+    if A_mod is None or B_mod is None:
+        return None
+    return tuple(chain), A_mod, B_mod
+
+
+def _still_held(module: nn.Module, adapter: str, holders: tuple) -> bool:
+    """Whether the modules ``_find_holders`` returned are still where ``module`` keeps them
+    (a replaced base layer, lora_A or lora_B, or a wrapper added below, is seen)."""
+    chain, A_mod, B_mod = holders
+    for outer, inner in zip(chain, chain[1:]):
+        if outer._modules.get("base_layer") is not inner:
+            return False
+    if "base_layer" in chain[-1]._modules:
+        return False
+    lora_A, lora_B = module._modules.get("lora_A"), module._modules.get("lora_B")
+    return (lora_A is not None and lora_B is not None and lora_A._modules.get(adapter) is A_mod
+            and lora_B._modules.get(adapter) is B_mod)
+
+
 class NormSlot:
     """max(n, eps) of one (module, adapter) as a buffer of the module, and what it was computed from."""
 
     def __init__(self, module: nn.Module, adapter: str, name: str):
         self.module, self.adapter, self.name = module, adapter, name
         self.stamp: tuple | None = None
+        self._holders: tuple | None = None  # (base-layer chain, lora_A module, lora_B module) last seen
 
     def _tensors(self):
-        """(W, A, B) as the module holds them now, or None once the adapter is gone."""
-        m = self.module
+        """(W, A, B) as the module holds them now, or None once the adapter is gone.
+
+        Called for every slot before every forward without grad mode (each decode token), so
+        the modules that hold W, A and B are remembered and only checked to still be where the
+        layer keeps them: a few dict lookups instead of PEFT's ``get_base_layer()`` and
+        ``Module.__getattr__``. With ``refresh`` comparing its stamp before any other check, the
+        check of 28 layers went from 170 to 62 µs per forward on a 2-core AMD EPYC
+        (benchmarks/prepare_cost.py)."""
+        holders = self._holders
+        if holders is None or not _still_held(self.module, self.adapter, holders):
+            holders = self._holders = _find_holders(self.module, self.adapter)
+            if holders is None:  # delete_adapter: nothing reads this slot any more
+                return None
+        chain, lora_A, lora_B = holders
         try:
-            return (m.get_base_layer()._parameters["weight"], m.lora_A[self.adapter]._parameters["weight"],
-                    m.lora_B[self.adapter]._parameters["weight"])
-        except KeyError:  # delete_adapter: nothing reads this slot any more
+            return chain[-1]._parameters["weight"], lora_A._parameters["weight"], lora_B._parameters["weight"]
+        except KeyError:
             return None
 
     def refresh(self, era: int) -> bool:
@@ -83,9 +124,20 @@ class NormSlot:
         if tensors is None:
             return False
         W, A, B = tensors
-        fan_in_fan_out = bool(getattr(self.module, "fan_in_fan_out", False))
         if W.dim() != 2 or A.dim() != 2 or B.dim() != 2:
             return False
+        module = self.module
+        fan_in_fan_out = bool(getattr(module, "fan_in_fan_out", False))
+        scaling: dict = getattr(module, "scaling")  # noqa: B009 (PEFT's per-adapter dict; typed for mypy)
+        s = float(scaling[self.adapter])
+        buffer = module._buffers.get(self.name)
+        # Compared first: this runs for every layer before every decode token, and the checks
+        # below only need to run when something changed.
+        stamp = (era, s, fan_in_fan_out, id(W), id(A), id(B), W.data_ptr(), A.data_ptr(), B.data_ptr(), W._version, A._version,
+                 B._version, W.shape, A.shape, B.shape, W.dtype, A.dtype, B.dtype, W.device, id(buffer),
+                 None if buffer is None else buffer.dtype)
+        if stamp == self.stamp:
+            return True
         if W.is_meta or A.is_meta or B.is_meta:
             # Offloaded (accelerate's device_map to "cpu"/"disk", cpu_offload): the weights are
             # meta tensors until the layer's own hook loads them inside the forward; the layer
@@ -94,13 +146,6 @@ class NormSlot:
         d_out, d_in = (W.shape[1], W.shape[0]) if fan_in_fan_out else (W.shape[0], W.shape[1])
         if A.shape[1] != d_in or tuple(B.shape) != (d_out, A.shape[0]):
             return False
-        scaling: dict = getattr(self.module, "scaling")  # noqa: B009 (PEFT's per-adapter dict; typed for mypy)
-        s = float(scaling[self.adapter])
-        buffer = self.module._buffers.get(self.name)
-        stamp = (era, s, id(W), id(A), id(B), W.data_ptr(), A.data_ptr(), B.data_ptr(), W._version, A._version, B._version,
-                 W.shape, A.shape, W.dtype, A.dtype, B.dtype, W.device, id(buffer), None if buffer is None else buffer.dtype)
-        if stamp == self.stamp:
-            return True
         with our_numerics(W.device.type):
             _, n_safe = norm_with_floor(dispatch.backend_for(W, A, B), W, A, B, s, fan_in_fan_out)
         if buffer is None or buffer.shape != n_safe.shape or buffer.dtype != n_safe.dtype or buffer.device != n_safe.device:

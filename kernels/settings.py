@@ -125,6 +125,13 @@ def compose_config(T: int, d_out: int, r: int) -> ComposeConfig:
     # 64×128×64, 4 warps, 3 stages: 90.3 µs; 128×64×64: 96.2; 128×256×64 (8 warps): 107.8;
     # 128×128×64 (8 warps): 129.5; 128×128×32: 156.8. T = 1: 12.0 µs.
     block_k = _pow2_at_least(r, 16, 64)
+    if T <= 16:
+        # Decode: 64×128 tiles give d_out/128 programs, too few to stream B at full rate. H200,
+        # r = 384, bf16, CUDA-graph replays (benchmarks/compose_small_t.py, 2026-12-01), µs at
+        # T = 1 / 16 for d_out 1024, 4096, 14336: 64×128: 4.54 4.67 4.83 / 4.61 4.70 4.84;
+        # 16×64×64 (4 warps, 3 stages): 3.0-4.1 on all six (sum 20.4 against 28.2); cuBLAS
+        # xa·Bᵀ + add (LoRA's two kernels) 4.0-5.6. At T = 64 it loses at d_out 14336 (8.2 against 5.3).
+        return ComposeConfig(16, 64, block_k, 8, 4, 3)
     return ComposeConfig(64, 128, block_k, 8, 4, 3)
 
 

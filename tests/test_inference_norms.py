@@ -78,7 +78,7 @@ def test_armed_forwards_read_the_buffers_and_are_bitwise_the_layers_own(model, n
     assert not _any_armed(model)
 
 
-@pytest.mark.parametrize("change", ["in_place", "replaced", "optimizer_step", "clear"])
+@pytest.mark.parametrize("change", ["in_place", "replaced", "module_replaced", "base_replaced", "optimizer_step", "clear"])
 def test_a_buffer_follows_every_change_the_rule_sees(model, norm_calls, monkeypatch, change):
     ids = tokens(1)
     _logits(model, ids)
@@ -88,6 +88,20 @@ def test_a_buffer_follows_every_change_the_rule_sees(model, norm_calls, monkeypa
             lora_B.weight.mul_(1.5)
     elif change == "replaced":
         lora_B.weight = torch.nn.Parameter(lora_B.weight.detach() * 1.5)
+    elif change == "module_replaced":  # a new lora_B module (the slot remembers the old one)
+        layer = model.base_model.model.model.layers[1].mlp.down_proj
+        new_B = torch.nn.Linear(lora_B.in_features, lora_B.out_features, bias=False)
+        with torch.no_grad():
+            new_B.weight.copy_(lora_B.weight * 1.5)
+        layer.lora_B["default"] = new_B
+    elif change == "base_replaced":  # a new base Linear, its weight at another address
+        layer = model.base_model.model.model.layers[1].mlp.down_proj
+        old_base = layer.base_layer
+        new_base = torch.nn.Linear(old_base.in_features, old_base.out_features, bias=old_base.bias is not None)
+        with torch.no_grad():
+            new_base.weight.copy_(old_base.weight * 1.5)
+        new_base.weight.requires_grad_(False)
+        layer.base_layer = new_base
     elif change == "optimizer_step":
         model.train()
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=False)

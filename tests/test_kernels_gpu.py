@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 from kernel_cases import check_against_oracle, inference_is_training_forward, make_case, run_case  # noqa: E402
 
 DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float16), (torch.float32, torch.float32)]
-SHAPES = [(4096, 4096, 16, 512), (1000, 3000, 100, (3, 77)), (4099, 1031, 384, 257), (64, 8192, 1024, 1)]
+SHAPES = [(4096, 4096, 16, 512), (1000, 3000, 100, (3, 77)), (4099, 1031, 384, 257), (64, 8192, 1024, 1), (1031, 4099, 384, 16)]
 
 
 def ids(v):
