@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,7 +63,7 @@ _ROLE = "_doracheck_norm_role"  # on each entry point: "outer" or "inner"
 def _find_holders(module: nn.Module, adapter: str) -> tuple | None:
     """(the chain module -> base_layer -> ... -> the base layer, lora_A[adapter], lora_B[adapter]),
     as PEFT's ``get_base_layer`` walks it, or None when the adapter is gone."""
-    chain = [module]
+    chain: list[Any] = [module]
     while "base_layer" in chain[-1]._modules:
         chain.append(chain[-1]._modules["base_layer"])
     lora_A, lora_B = module._modules.get("lora_A"), module._modules.get("lora_B")
