@@ -59,3 +59,23 @@ def test_decoder_layer_with_lora_dropout_compiles_without_graph_breaks():
     h = hidden.clone().requires_grad_()
     compiled(h).sum().backward()
     assert h.grad is not None and torch.isfinite(h.grad).all()
+
+
+@pytest.mark.parametrize("forced", [None, "triton"])
+def test_the_cuda_dispatch_fast_path_traces_without_a_graph_break(monkeypatch, forced):
+    """``dispatch.backend_for``'s CUDA fast path runs in every layer call, compiled too; it must
+    ask ``is_compiling()`` before anything Dynamo cannot trace (a ContextVar read broke the graph
+    in every layer and made compiled decode 7x slower on the H200). The path is CUDA-only, so
+    this traces it for a CUDA device object, which needs no GPU; while tracing it answers "ask
+    ``choose_path``" (False), whose compiled branch is the automatic choice."""
+    from doracheck import dispatch
+
+    if forced:
+        monkeypatch.setenv("DORACHECK_PATH", forced)
+
+    def f(x):
+        return x + 1 if dispatch._plain_cuda_triton(torch.device("cuda")) else x - 1
+
+    torch._dynamo.reset()
+    x = torch.zeros(2)
+    assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(x), x - 1)  # fullgraph: a break raises
