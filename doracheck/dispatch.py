@@ -123,7 +123,8 @@ def backend_for(*tensors: torch.Tensor | None) -> Backend:
                 return TORCH
             if first is None:
                 first = t
-    assert first is not None, "backend_for: expected at least one tensor"
+    if first is None:
+        raise ValueError("backend_for: expected at least one tensor, got only None")
     if _plain_cuda_triton(first.device) or choose_path(first.device).name == "triton":
         from doracheck.kernels.backends import triton_backend
 

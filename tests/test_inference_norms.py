@@ -374,11 +374,14 @@ def test_enable_without_norm_buffers(monkeypatch):
     assert not m._forward_pre_hooks and not any("_doracheck_norm" in name for name, _ in m.named_buffers())
 
 
-def test_an_offloaded_model_runs_with_norm_buffers_on():
+@pytest.mark.parametrize("grad_off", ["no_grad", "inference_mode"])
+def test_an_offloaded_model_runs_with_norm_buffers_on(grad_off):
     """accelerate's offload (device_map to "cpu"/"disk", cpu_offload) keeps W, A, B as meta
     tensors until the block's own hook loads them inside the forward, after the model's
     pre-hook: the buffers are not armed for those layers (refreshing them raised "unknown
-    device type for autocast"), which compute their norm themselves, bitwise as without offload."""
+    device type for autocast"), which compute their norm themselves, bitwise as without offload.
+    Under inference_mode the offloaded meta tensors are inference tensors, with no version
+    counter to stamp (reading it raised)."""
     pytest.importorskip("accelerate")
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
     from peft import LoraConfig, get_peft_model
@@ -410,6 +413,39 @@ def test_an_offloaded_model_runs_with_norm_buffers_on():
     add_hook_to_module(block, AlignDevicesHook(execution_device=torch.device("cpu"), offload=True, weights_map=weights,
                                                place_submodules=True))
     assert block.l1.lora_A["default"].weight.is_meta  # offloaded between forwards
-    with torch.no_grad():
-        for _ in range(2):
+    with getattr(torch, grad_off)():
+        for _ in range(3):
             assert torch.equal(model(x), want)
+
+
+@pytest.mark.parametrize("grad_off", ["no_grad", "inference_mode"])
+def test_a_model_made_of_inference_tensors_runs_with_norm_buffers_on(monkeypatch, grad_off):
+    """Weights created under torch.inference_mode() have no version counter: their layers stay
+    unarmed and compute their own norm (the buffer check raised on them), with the same output."""
+    with torch.inference_mode():
+        m = dora_model(0)
+    enable(m)
+    m.eval()
+    ids = tokens(0)
+    with getattr(torch, grad_off)():
+        got = m(ids).logits
+        assert not _any_armed(m)
+        with monkeypatch.context() as patch:
+            patch.setattr(inference_norms, "norm_buffer", lambda module, adapter: None)
+            assert torch.equal(got, m(ids).logits)
+
+
+def test_a_replaced_base_layer_is_freed_before_the_next_forward(model):
+    """The slots remember the modules that hold W, A and B only weakly: a base layer swapped out
+    (for a quantized one, say) and its W are freed at once, not at the next forward."""
+    import gc
+    import weakref
+
+    _logits(model, tokens(0))
+    layer = model.base_model.model.model.layers[1].mlp.down_proj
+    old = weakref.ref(layer.base_layer)
+    new_base = torch.nn.Linear(layer.base_layer.in_features, layer.base_layer.out_features, bias=False)
+    new_base.weight.requires_grad_(False)
+    layer.base_layer = new_base
+    gc.collect()
+    assert old() is None
