@@ -24,3 +24,8 @@ finish() {  # pack everything into $OUT/results.tgz and print the step table las
 }
 # The GPU a driver's second concurrent job uses: GPU 1 on a two-GPU machine, else GPU 0 shared.
 SECOND_GPU=$(( $(nvidia-smi -L | wc -l) > 1 ? 1 : 0 ))
+check_summary() {  # the GPU tests', memcheck's and verify's last lines, where those steps ran
+  grep -v DEBUG "$R/gpu_tests.log" 2>/dev/null | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 8
+  grep -E "ERROR SUMMARY|passed|failed" "$R/memcheck.log" 2>/dev/null | tail -n 3
+  tail -c 600 "$R/verify.log" 2>/dev/null; echo
+}

@@ -38,9 +38,7 @@ if [[ $PARTS == *,ab,* ]]; then
   step ab_step 90 $PY ab_step.py --rounds 5 --steps 4 --csv "$R/ab_step.csv" --configs "lora;dc:graphs=1,chunk=32;dc:graphs=0,chunk=32"
 fi
 cd ..
-grep -v DEBUG "$R/gpu_tests.log" 2>/dev/null | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 8
-grep -E "ERROR SUMMARY|passed|failed" "$R/memcheck.log" 2>/dev/null | tail -n 3
-tail -c 600 "$R/verify.log" 2>/dev/null; echo
+check_summary
 head -n 26 "$R/host_4096.txt" 2>/dev/null
 head -n 26 "$R/host_14336.txt" 2>/dev/null | tail -n 25
 cat "$R/probe_T16.txt" "$R/probe_T4096.txt" "$R/graphprobe_4096.txt" "$R/graphprobe_14336.txt" 2>/dev/null

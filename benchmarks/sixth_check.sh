@@ -56,9 +56,7 @@ if [[ $PARTS == *,ab,* ]]; then
   step ab_step 150 $PY ab_step.py --rounds 5 --steps 4 --csv "$R/ab_step.csv" --configs "lora;dc"
 fi
 cd ..
-grep -v DEBUG "$R/gpu_tests.log" 2>/dev/null | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 8
-grep -E "ERROR SUMMARY|passed|failed" "$R/memcheck.log" 2>/dev/null | tail -n 3
-tail -c 400 "$R/verify.log" 2>/dev/null; echo
+check_summary
 tail -n 12 "$R/sweep.log" 2>/dev/null
 tail -n 1 "$R/prepare_new.log" "$R/prepare_old.log" 2>/dev/null
 tail -n 5 "$R/decode_new.log" "$R/decode_old.log" 2>/dev/null
