@@ -449,3 +449,181 @@ def test_a_replaced_base_layer_is_freed_before_the_next_forward(model):
     layer.base_layer = new_base
     gc.collect()
     assert old() is None
+
+
+# --- generate: prepared once per call ---------------------------------------------------------
+
+
+def _generate(m, ids, **kwargs):
+    """Greedy generation of 5 tokens with the logits of each step."""
+    with torch.no_grad():
+        out = m.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, pad_token_id=0, **kwargs)
+    return out.sequences, torch.stack(out.logits)
+
+
+def _unarmed_generate(monkeypatch, m, ids, **kwargs):
+    with monkeypatch.context() as patch:
+        patch.setattr(inference_norms, "norm_buffer", lambda module, adapter: None)
+        return _generate(m, ids, **kwargs)
+
+
+def test_generate_prepares_once_and_is_bitwise_the_unarmed_model(model, monkeypatch):
+    """One check per ``generate`` call, not one per token; every step armed; the same tokens and
+    logits, bit for bit, as every layer computing its own norm; nothing armed afterwards."""
+    prepared, armed_steps = [], []
+    prepare = inference_norms._prepare
+    monkeypatch.setattr(inference_norms, "_prepare", lambda m, holder: (prepared.append(m), prepare(m, holder))[1])
+    layer = model.base_model.model.model.layers[1].mlp.down_proj
+    handle = layer.register_forward_hook(lambda *_: armed_steps.append(_any_armed(model)))
+    ids = tokens(9, batch=1)
+    got = _generate(model, ids)
+    handle.remove()
+    assert prepared == [model] and armed_steps == [True] * 5
+    assert not _any_armed(model) and not model.__dict__[inference_norms._HOLDER].generating
+    want = _unarmed_generate(monkeypatch, model, ids)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_a_write_between_two_generate_calls_is_seen(model, monkeypatch):
+    ids = tokens(10, batch=1)
+    first = _generate(model, ids)
+    with torch.no_grad():
+        model.base_model.model.model.layers[0].self_attn.v_proj.lora_B["default"].weight.mul_(3.0)
+    got = _generate(model, ids)
+    assert not torch.equal(got[1], first[1])
+    assert torch.equal(got[1], _unarmed_generate(monkeypatch, model, ids)[1])
+
+
+def test_an_era_ended_inside_generate_disarms_the_rest_of_it(model, monkeypatch):
+    """A write from inside the call (here a logits processor) followed by
+    ``clear_norm_cache()``: the remaining steps compute their own norms."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    lora_B = model.base_model.model.model.layers[1].self_attn.q_proj.lora_B["default"].weight
+
+    class EditAfterFirstStep(LogitsProcessor):
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, input_ids, scores):
+            self.calls += 1
+            if self.calls == 1:
+                lora_B.mul_(4.0)
+                clear_norm_cache()
+            return scores
+
+    ids = tokens(11, batch=1)
+    got = _generate(model, ids, logits_processor=LogitsProcessorList([EditAfterFirstStep()]))
+    with torch.no_grad():
+        lora_B.div_(4.0)
+    want = _unarmed_generate(monkeypatch, model, ids, logits_processor=LogitsProcessorList([EditAfterFirstStep()]))
+    assert torch.equal(got[1], want[1])
+
+
+def test_compiled_generate_with_a_static_cache_has_no_graph_break(model, monkeypatch):
+    """transformers compiles the base model's ``__call__`` for a static cache; with the hooks
+    doing nothing inside generate, ``fullgraph=True`` compiles (a graph break would raise), the
+    graph reads the buffers (no norm in it) and gives the eager tokens and logits."""
+    from transformers import CompileConfig
+
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    config = CompileConfig(fullgraph=True, backend=recording_backend, mode=None)
+    config._compile_all_devices = True  # transformers' own switch for compiling off CUDA (its tests use it)
+    ids = tokens(12, batch=1)
+    got = _generate(model, ids, cache_implementation="static", compile_config=config)
+    assert graphs, "transformers did not compile the decode step"
+    targets = [str(node.target) for gm in graphs for node in gm.graph.nodes]
+    assert not [t for t in targets if "sqrt" in t and "rsqrt" not in t]
+    want = _unarmed_generate(monkeypatch, model, ids, cache_implementation="static", disable_compile=True)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)  # the traced graph may reorder fp32 ops
+
+
+def test_generate_of_a_deep_copy_runs_the_copy(model, monkeypatch):
+    import copy
+
+    copied = copy.deepcopy(model)
+    assert copied.get_base_model().generate.__self__ is copied.get_base_model()
+    with torch.no_grad():
+        copied.base_model.model.model.layers[0].mlp.gate_proj.lora_B["default"].weight.mul_(2.0)
+    ids = tokens(13, batch=1)
+    assert torch.equal(_generate(copied, ids)[1], _unarmed_generate(monkeypatch, copied, ids)[1])
+    assert torch.equal(_generate(model, ids)[1], _unarmed_generate(monkeypatch, model, ids)[1])
+    assert not torch.equal(_generate(model, ids)[1], _generate(copied, ids)[1])
+
+
+def test_an_enabled_model_can_be_pickled_whole(model):
+    """``torch.save(model)`` (pickle) of a used, enabled model: no weak reference or id is
+    pickled (the loaded slots would find their modules again)."""
+    import io
+    import pickle
+
+    _generate(model, tokens(14, batch=1))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    assert buf.tell() > 0
+    slot = model.__dict__[inference_norms._HOLDER].slots[0]
+    assert pickle.loads(pickle.dumps(slot)).stamp is None  # a slot we made ourselves, not a user file
+
+
+def test_disable_restores_generate_and_a_users_own_generate_is_kept():
+    clear_norm_cache()
+    m = dora_model(0)
+    inner = m.get_base_model()
+    calls = []
+    users_generate = inner.generate
+
+    def logged_generate(*args, **kwargs):
+        calls.append(_any_armed(m))
+        return users_generate(*args, **kwargs)
+
+    inner.generate = logged_generate
+    enable(m)
+    enable(m)  # twice: one wrapper, the user's generate under it
+    m.eval()
+    _generate(m, tokens(15, batch=1))
+    assert calls == [True]
+    disable(m)
+    assert inner.__dict__["generate"] is logged_generate
+    assert "generate" not in m.__dict__
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_compiled_generate_follows_an_update_between_calls(monkeypatch):
+    """transformers' own compiled decode on CUDA (static cache, Inductor, CUDA graphs; no graph
+    break now): the tokens of eager generation, logits within Inductor's reordering, and an
+    adapter update between two calls seen by the second (the buffers are static inputs of the
+    recorded graphs, rewritten in place when the next call begins). fp32, as the CUDA-graph
+    test above, so the update stands far above Inductor's rounding."""
+    clear_norm_cache()
+    m = dora_model(0, dtype=torch.float32).cuda()
+    enable(m)
+    m.eval()
+    torch._dynamo.reset()
+    ids = tokens(16, batch=1, device="cuda")
+    compiled = {"cache_implementation": "static"}
+    eager = {"cache_implementation": "static", "disable_compile": True}
+    for _ in range(2):  # the second call replays recorded graphs
+        got = _generate(m, ids, **compiled)
+    want = _unarmed_generate(monkeypatch, m, ids, **eager)
+    noise = (got[1] - want[1]).norm()
+    assert torch.equal(got[0], want[0])
+    mlp = m.base_model.model.model.layers[1].mlp
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    with torch.no_grad():
+        for proj in (mlp.gate_proj, mlp.up_proj):
+            B = proj.lora_B["default"].weight
+            B.copy_(torch.randn(B.shape, generator=gen, device="cuda", dtype=torch.float32))
+    got_after = _generate(m, ids, **compiled)
+    want_after = _unarmed_generate(monkeypatch, m, ids, **eager)
+    moved = (want_after[1] - want[1]).norm()
+    assert moved > 20 * noise
+    assert (got_after[1] - want_after[1]).norm() <= 3 * noise + 1e-3 * want_after[1].norm()

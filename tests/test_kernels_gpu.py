@@ -21,6 +21,9 @@ from kernel_cases import check_against_oracle, inference_is_training_forward, ma
 
 DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float16), (torch.float32, torch.float32)]
 SHAPES = [(4096, 4096, 16, 512), (1000, 3000, 100, (3, 77)), (4099, 1031, 384, 257), (64, 8192, 1024, 1), (1031, 4099, 384, 16)]
+# The compose's 16-row tile (T <= 16) at odd sizes: d_out below and across one 64-column tile,
+# r of 1 and across a 16-wide step, T not a power of two (a review asked for these).
+SMALL_T_SHAPES = [(17, 33, 1, 2), (65, 129, 17, 3), (17, 4099, 8, 7), (65, 1031, 17, 15)]
 
 
 def ids(v):
@@ -28,7 +31,7 @@ def ids(v):
 
 
 @pytest.mark.parametrize("dtype,adapter_dtype", DTYPES, ids=ids)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES + SMALL_T_SHAPES, ids=str)
 def test_forward_backward_within_budget(shape, dtype, adapter_dtype):
     d_out, d_in, r, t = shape
     case = make_case(d_out, d_in, r, t, dtype, adapter_dtype=adapter_dtype, seed=r, device="cuda")
@@ -51,6 +54,14 @@ def test_token_chunked_backward_within_budget(dtype, adapter_dtype):
 @pytest.mark.parametrize("dtype,adapter_dtype", DTYPES, ids=ids)
 def test_inference_forward_is_bitwise_the_training_forward(monkeypatch, dtype, adapter_dtype, with_bias):
     case = make_case(4099, 1031, 96, 67, dtype, adapter_dtype=adapter_dtype, seed=8, device="cuda", with_bias=with_bias)
+    inference_is_training_forward(case, monkeypatch)
+
+
+@pytest.mark.parametrize("shape", SMALL_T_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype,adapter_dtype", DTYPES, ids=ids)
+def test_small_t_inference_forward_is_bitwise_the_training_forward(monkeypatch, dtype, adapter_dtype, shape):
+    d_out, d_in, r, t = shape
+    case = make_case(d_out, d_in, r, t, dtype, adapter_dtype=adapter_dtype, seed=d_out + r, device="cuda", with_bias=True)
     inference_is_training_forward(case, monkeypatch)
 
 
