@@ -52,6 +52,40 @@ def _peft_layer(d: int, r: int, use_dora: bool, device):
     return model, model.base_model.model.proj
 
 
+def _direct_launch_cases(launch):
+    """What Triton's launch costs without its binder: the compose's arguments, captured from one
+    ``launch``, bound once, then the compiled kernel's launcher called directly (the floor of any
+    launch path that skips Triton's per-call specialization), and the binder alone."""
+    from doracheck.kernels import compose_triton, fast_launch
+
+    fast_launch.clear()  # so that the launch below goes through Triton's run, where it is captured
+    kernel = compose_triton._lora_up_compose_kernel
+    captured: dict = {}
+    real_run = kernel.run
+
+    def capture(*a, grid, warmup, **kw):
+        captured.update(args=a, kwargs=kw, grid=grid)
+        return real_run(*a, grid=grid, warmup=warmup, **kw)
+
+    kernel.run = capture
+    try:
+        launch()
+    finally:
+        del kernel.run
+    a, kw, grid = captured["args"], captured["kwargs"], captured["grid"]
+    compiled = real_run(*a, grid=grid, warmup=False, **kw)
+    binder = kernel.device_caches[torch.cuda.current_device()][4]
+    values = tuple(binder(*a, **kw)[0].values())
+    stream = torch.cuda.current_stream().cuda_stream
+    g0 = grid[0]
+
+    def direct():
+        compiled.run(g0, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *values)
+
+    return [("      direct CompiledKernel.run (args bound)", direct), ("      triton binder alone", lambda: binder(*a, **kw)),
+            ("      current raw stream", lambda: torch._C._cuda_getCurrentRawStream(0))]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d", type=int, default=4096)
@@ -103,9 +137,12 @@ def main() -> int:
                                                                             n_safe=n_safe)),
             ("      x2 @ A.t()", lambda: x2 @ A.t()),
             ("      ops.compose_infer_", lambda: ops.compose_infer_(r2, xa, B, m, n_safe, None, s, True)),
-            ("      lora_up_compose_triton (launch)", lambda: lora_up_compose_triton(r2, xa, B, m, s, None, out=r2,
+            ("      lora_up_compose_triton (launch, fast_launch)", lambda: lora_up_compose_triton(r2, xa, B, m, s, None, out=r2,
                                                                                       base_has_bias=True, n_safe=n_safe)),
         ]
+        if dev.type == "cuda":
+            cases += _direct_launch_cases(lambda: lora_up_compose_triton(r2, xa, B, m, s, None, out=r2, base_has_bias=True,
+                                                                          n_safe=n_safe))
         for name, fn in cases:
             rows.append((name, host_us(fn, args.n, sync)))
         profile = cprofile_text(lambda: dc(x), 2000, sync, "tottime", 30)

@@ -128,6 +128,20 @@ def linear_forward(x: torch.Tensor, a: LayerArgs, keep_mask: torch.Tensor | None
     return y, Saved(x2, keep, xa, h if need_saved else None, g, fn.norm, n_safe, fn.U, fn.G, backend, from_output, variant)
 
 
+def compose_armed(result: torch.Tensor, x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, magnitude: torch.Tensor,
+                  bias: torch.Tensor | None, scaling: float, n_safe: torch.Tensor, backend: Backend) -> torch.Tensor:
+    """Inference with max(n, eps) at hand (an armed ``inference_norms`` buffer): y = b + g⊙(result
+    - b + s·(x·Aᵀ)·Bᵀ), g = m / n_safe formed in the compose, written in place into ``result``
+    (x·Wᵀ + b, contiguous, in x's dtype; the caller checks). The very operations of
+    ``from_base_forward(..., need_saved=False, n_safe=n_safe)``, so bitwise its output, in fewer
+    host steps: this runs for every layer of every eager decode token."""
+    x2 = x.reshape(-1, x.shape[-1])
+    r2 = result.view(x2.shape[0], result.shape[-1])
+    A = lora_A if lora_A.dtype == x2.dtype else lora_A.to(x2.dtype)
+    _write(r2, backend.compose_infer(r2, x2 @ A.t(), lora_B, magnitude, n_safe, _contiguous_bias(bias), scaling, True))
+    return result
+
+
 def _write(r2: torch.Tensor, y: torch.Tensor) -> None:
     if y is not r2:  # a backend op that returned a new tensor (torch twin, or traced)
         r2.copy_(y)

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fast_launch
 from .constants import EPS
 from .settings import compose_config, grad_config
 from .tracing import tracing
@@ -174,7 +175,7 @@ def lora_up_compose_triton(
     traced = tracing()
     bd = base_dropped if base_dropped is not None else _unused_pointer(base, traced)
     z = z_out if z_out is not None else _unused_pointer(y, traced)
-    launcher(_lora_up_compose_kernel, traced)[grid](
+    args = (
         y, y.stride(0), y.stride(1),
         z, z.stride(0), z.stride(1),
         base, base.stride(0), base.stride(1),
@@ -184,12 +185,18 @@ def lora_up_compose_triton(
         g, bias if bias is not None else _unused_pointer(g, traced),
         n_safe if n_safe is not None else _unused_pointer(g, traced),
         T, d_out, r, float(scaling),
+    )
+    constexprs = dict(
         HAS_BIAS=bias is not None, HAS_BASE_D=base_dropped is not None, WRITE_Z=z_out is not None,
         BASE_HAS_BIAS=base_has_bias and bias is not None and base_dropped is None, G_FROM_M=n_safe is not None,
         DOT_DTYPE=dot_dtype, PRECISION="tf32x3" if xa.dtype == torch.float32 else "ieee", INTERPRET=interpreting(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if traced or interpreting():
+        launcher(_lora_up_compose_kernel, traced)[grid](*args, **constexprs, **options)
+    else:  # eager on a GPU: decode launches this once per layer and token (kernels/fast_launch.py)
+        fast_launch.launch(_lora_up_compose_kernel, grid, args, constexprs, options)
     return y
 
 
@@ -211,18 +218,23 @@ def grad_scale_dm_triton(
     part = torch.empty(n_tb, d_out, dtype=torch.float32, device=dy.device)
     grid = (n_tb, triton.cdiv(d_out, cfg.block_d))
     traced = tracing()
-    launcher(_grad_scale_dm_kernel, traced)[grid](
+    args = (
         dz, dz.stride(0), dz.stride(1),
         part, part.stride(0),
         dy, dy.stride(0), dy.stride(1),
         saved, saved.stride(0), saved.stride(1),
         g, n, bias if bias is not None else _unused_pointer(g, traced),
         T, d_out, EPS,
+    )
+    constexprs = dict(
         FROM_OUTPUT=from_output, HAS_BIAS=bias is not None and from_output, FINAL_DM=final_dm, INTERPRET=interpreting(),
         MAX_OUT=torch.finfo(dy.dtype).max,
         BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d,
-        num_warps=cfg.num_warps,
     )
+    if traced or interpreting():
+        launcher(_grad_scale_dm_kernel, traced)[grid](*args, **constexprs, num_warps=cfg.num_warps)
+    else:  # eager on a GPU: once per layer and training step (kernels/fast_launch.py)
+        fast_launch.launch(_grad_scale_dm_kernel, grid, args, constexprs, {"num_warps": cfg.num_warps})
     if not reduce:
         return dz, part
     return dz, part.sum(0) if n_tb > 1 else part[0]

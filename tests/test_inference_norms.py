@@ -627,3 +627,55 @@ def test_cuda_compiled_generate_follows_an_update_between_calls(monkeypatch):
     moved = (want_after[1] - want[1]).norm()
     assert moved > 20 * noise
     assert (got_after[1] - want_after[1]).norm() <= 3 * noise + 1e-3 * want_after[1].norm()
+
+
+# --- the short path of an armed layer ------------------------------------------------------------
+
+
+def test_armed_layers_take_the_short_path_and_are_bitwise_the_general_path(model, monkeypatch):
+    from doracheck.integrations import peft as integration
+
+    taken = []
+    short = integration.compose_armed
+    monkeypatch.setattr(integration, "compose_armed", lambda *a: taken.append(1) or short(*a))
+    ids = tokens(18)
+    got = _logits(model, ids)
+    assert len(taken) == 14  # every layer (2 decoder layers x 7 projections)
+    monkeypatch.setattr(integration, "_armed_forward", lambda *a: None)
+    assert torch.equal(got, _logits(model, ids))
+
+
+@pytest.mark.parametrize("case", ["plain", "two_active", "dropout_in_training", "variant_kwargs", "trainable_base",
+                                  "other_dtype", "unarmed", "non_contiguous"])
+def test_the_short_path_declines_what_it_does_not_cover(model, case):
+    """The short path answers only the plain armed call; everything else gets None (the general
+    path, which handles or names it)."""
+    from doracheck.integrations.peft import _armed_forward
+
+    layer = model.base_model.model.model.layers[0].mlp.up_proj
+    holder = model.__dict__[inference_norms._HOLDER]
+    x = torch.randn(2, 3, 32)
+    kwargs: dict = {}
+    with torch.no_grad():
+        inference_norms._prepare(model, holder)
+        try:
+            if case == "two_active":
+                layer._active_adapter = ["default", "other"]
+            elif case == "dropout_in_training":
+                layer.lora_dropout["default"] = torch.nn.Dropout(0.1)
+                layer.train()
+            elif case == "variant_kwargs":
+                kwargs = {"alora_offsets": [1, 2]}
+            elif case == "trainable_base":
+                layer.base_layer.weight.requires_grad_(True)
+            elif case == "other_dtype":
+                x = x.double()
+            elif case == "unarmed":
+                inference_norms._finish(holder)
+            result = layer.base_layer(x.float())
+            if case == "non_contiguous":
+                result = result.transpose(0, 1).contiguous().transpose(0, 1)
+            got = _armed_forward(layer, "default", x, result, kwargs)
+        finally:
+            inference_norms._finish(holder)
+    assert (got is not None) == (case == "plain")

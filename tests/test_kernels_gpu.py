@@ -326,3 +326,40 @@ def test_inference_is_capturable_in_a_cuda_graph_and_replays_the_parameters_of_t
     clear_norm_cache()
     with torch.no_grad():
         assert torch.equal(static_y, doracheck.dora_linear(static_x, W, A, B, m, s, b))
+
+
+@pytest.mark.parametrize("t", [1, 37])
+def test_fast_launch_reuses_tritons_kernel_and_is_bitwise_its_launch(t):
+    """Eager compose launches after the first skip Triton's binder (kernels/fast_launch.py): the
+    same compiled kernel with the same arguments, so bitwise Triton's own launch; a misaligned
+    view (Triton specialises on alignment) still goes through Triton."""
+    from doracheck.kernels import compose_triton, fast_launch
+
+    gen = torch.Generator().manual_seed(t)
+    d_out, r = 1031, 96
+    xa = torch.randn(t, r, generator=gen).to("cuda", torch.bfloat16)
+    B = (torch.randn(d_out, r, generator=gen) / 10).to("cuda", torch.bfloat16)
+    g = (1 + torch.randn(d_out, generator=gen) / 10).to("cuda")
+    base = torch.randn(t, d_out, generator=gen).to("cuda", torch.bfloat16)
+    kernel = compose_triton._lora_up_compose_kernel
+    runs = []
+    real_run = kernel.run
+
+    def counted(*a, **kw):
+        runs.append(1)
+        return real_run(*a, **kw)
+
+    fast_launch.clear()
+    kernel.run = counted
+    try:
+        outs = [compose_triton.lora_up_compose_triton(base, xa, B, g, 2.0) for _ in range(3)]
+        assert len(runs) == 1  # the first launch only
+        spare = torch.empty(t * d_out + 1, device="cuda", dtype=torch.bfloat16)
+        odd = spare[1:].view(t, d_out)  # 2 bytes past an aligned address
+        odd.copy_(base)
+        out_odd = compose_triton.lora_up_compose_triton(odd, xa, B, g, 2.0)
+        assert len(runs) == 2
+    finally:
+        del kernel.run
+        fast_launch.clear()
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]) and torch.equal(outs[0], out_odd)

@@ -1,0 +1,118 @@
+"""kernels/fast_launch.py: which launches reuse a compiled kernel, and with which arguments.
+
+On the CPU no Triton kernel is compiled, so these run the cache against a stand-in kernel that
+records how it was launched; the GPU tests run the real kernels through it (every compose
+launch in eager), and ``test_kernels_gpu.py`` checks it bitwise against Triton's own path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from doracheck.kernels import fast_launch  # noqa: E402
+
+
+class _Compiled:
+    """What Triton's ``run`` returns: a launcher taking (grid, stream, function, metadata, hooks, *args)."""
+
+    def __init__(self):
+        self.launches: list[tuple] = []
+        self.function, self.packed_metadata = object(), object()
+
+    def run(self, *a):
+        self.launches.append(a)
+
+
+class _Kernel:
+    """A JIT function as far as fast_launch uses one: ``kernel[grid](...)`` and the binder."""
+
+    def __init__(self, binds_in_order: bool = True):
+        self.compiled = _Compiled()
+        self.slow: list[tuple] = []
+        self.binds_in_order = binds_in_order
+        self.device_caches = {-1: (None, None, None, None, self._bind)}
+
+    def _bind(self, *args, **kwargs):
+        params = {f"arg{i}": a for i, a in enumerate(args)}
+        params.update({k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")})
+        if not self.binds_in_order:
+            params = dict(reversed(list(params.items())))
+        return params, None, kwargs
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.slow.append((grid, args, kwargs))
+            return self.compiled
+
+        return run
+
+
+@pytest.fixture(autouse=True)
+def _on_a_pretend_gpu(monkeypatch):
+    monkeypatch.setattr(fast_launch, "interpreting", lambda: False)
+    monkeypatch.setattr(fast_launch, "_stream", lambda device: 1234)
+    fast_launch.clear()
+    yield
+    fast_launch.clear()
+
+
+def _args(x, n=7):
+    return (x, x.stride(0), n, 0.5)
+
+
+def test_the_second_launch_with_the_same_raw_arguments_skips_triton():
+    kernel, x = _Kernel(), torch.zeros(4, 8)
+    const, opts = {"FLAG": True, "BLOCK": 16}, {"num_warps": 4}
+    fast_launch.launch(kernel, (3,), _args(x), const, opts)
+    fast_launch.launch(kernel, (3, 2), _args(x), const, opts)
+    assert len(kernel.slow) == 1
+    (launch,) = kernel.compiled.launches
+    assert launch[:4] == (3, 2, 1, 1234) and launch[4] is kernel.compiled.function
+    assert launch[6:9] == (None, None, None)  # no launch metadata, no hooks
+    assert launch[9:] == (*_args(x), True, 16)  # the arguments, then the constexprs in signature order
+
+
+@pytest.mark.parametrize("change", ["int", "dtype", "constexpr", "option", "misaligned"])
+def test_anything_triton_specialises_on_goes_through_triton_again(change):
+    kernel, x = _Kernel(), torch.zeros(4, 8)
+    const, opts = {"FLAG": True}, {"num_warps": 4}
+    fast_launch.launch(kernel, (3,), _args(x), const, opts)
+    args = _args(x)
+    if change == "int":
+        args = _args(x, n=16)
+    elif change == "dtype":
+        args = _args(x.double())
+    elif change == "constexpr":
+        const = {"FLAG": False}
+    elif change == "option":
+        opts = {"num_warps": 8}
+    else:
+        args = _args(x.view(-1)[1:].view(1, -1))  # 4 bytes past an aligned address
+    fast_launch.launch(kernel, (3,), args, const, opts)
+    assert len(kernel.slow) == 2 and not kernel.compiled.launches
+
+
+def test_launch_hooks_send_every_launch_through_triton(monkeypatch):
+    from triton import knobs
+
+    kernel, x = _Kernel(), torch.zeros(4, 8)
+    fast_launch.launch(kernel, (3,), _args(x), {}, {})
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
+    fast_launch.launch(kernel, (3,), _args(x), {}, {})
+    assert len(kernel.slow) == 2 and not kernel.compiled.launches
+
+
+def test_a_signature_that_does_not_bind_in_order_is_never_launched_directly():
+    kernel, x = _Kernel(binds_in_order=False), torch.zeros(4, 8)
+    for _ in range(3):
+        fast_launch.launch(kernel, (3,), _args(x), {"FLAG": True}, {})
+    assert len(kernel.slow) == 3 and not kernel.compiled.launches
+
+
+def test_traced_or_interpreted_launches_are_refused(monkeypatch):
+    monkeypatch.setattr(fast_launch, "interpreting", lambda: True)
+    with pytest.raises(RuntimeError, match="eager GPU launches only"):
+        fast_launch.launch(_Kernel(), (1,), _args(torch.zeros(2, 2)), {}, {})
