@@ -41,8 +41,8 @@ backward that torch.compile compiled, which cannot record that it ran); call
 
 from __future__ import annotations
 
+import functools
 import threading
-import types
 import weakref
 from typing import Any
 
@@ -207,6 +207,13 @@ class _Holder:
         self.outer_traced = False  # set while torch.compile traces the outer model's forward
         self.generations = 0  # ``generate`` calls of this model under way (nested or in threads)
         self.generating = False  # generations > 0; a bool, so a traced hook's guard has two values
+        self.generating_threads: dict[int, int] = {}  # thread id -> its generate calls under way
+
+    def __getstate__(self) -> dict:
+        """Pickled (or deep-copied) as not running anything: a copy made during a ``generate``
+        call or a forward must prepare its own."""
+        return {**self.__dict__, "prepared": False, "owner": None, "outer_traced": False, "generations": 0,
+                "generating": False, "generating_threads": {}}
 
 
 _lock = threading.RLock()
@@ -242,9 +249,18 @@ def _finish(holder: _Holder) -> None:
         holder.prepared, holder.owner = False, None
 
 
+def _generating_here(holder: _Holder) -> bool:
+    """Whether this forward runs inside one of the model's ``generate`` calls: then it was
+    prepared once for the whole call. Eager: this thread's own call only (another thread's
+    forward decides for itself, so it sees writes made meanwhile). Traced: the bool (Dynamo
+    guards on it; it cannot trace thread ids), so a compiled forward traced by another thread
+    during a generate call is prepared by that call, not by itself."""
+    return holder.generating and (torch.compiler.is_compiling() or threading.get_ident() in holder.generating_threads)
+
+
 def _before(model: nn.Module, args) -> None:
     holder = model.__dict__.get(_HOLDER)
-    if holder is None or holder.generating:  # inside generate: prepared once for the whole call
+    if holder is None or _generating_here(holder):  # inside generate: prepared once for the whole call
         return
     if torch.compiler.is_compiling():
         # Traced. The outer model traced (torch.compile(peft_model), fullgraph or not): no
@@ -262,7 +278,7 @@ def _before(model: nn.Module, args) -> None:
 
 def _after(model: nn.Module, args, output) -> None:
     holder = model.__dict__.get(_HOLDER)
-    if holder is None or holder.generating:
+    if holder is None or _generating_here(holder):
         return
     if torch.compiler.is_compiling() and model.__dict__.get(_ROLE) == "outer":
         holder.outer_traced = False
@@ -279,6 +295,8 @@ def _begin_generation(model: nn.Module, holder: _Holder) -> None:
         if holder.generations == 0:
             with torch.no_grad():
                 _prepare(model, holder)
+        thread = threading.get_ident()
+        holder.generating_threads[thread] = holder.generating_threads.get(thread, 0) + 1
         holder.generations += 1
         holder.generating = True
 
@@ -286,15 +304,22 @@ def _begin_generation(model: nn.Module, holder: _Holder) -> None:
 @torch.compiler.disable
 def _end_generation(holder: _Holder) -> None:
     with _lock:
+        thread = threading.get_ident()
+        left = holder.generating_threads.get(thread, 0) - 1
+        if left > 0:
+            holder.generating_threads[thread] = left
+        else:
+            holder.generating_threads.pop(thread, None)
         holder.generations -= 1
-        if holder.generations == 0:
-            holder.generating = False
+        holder.generating = holder.generations > 0
+        if not holder.generating:
             _finish(holder)
 
 
 def _generate(self: nn.Module, *args, **kwargs):
-    """``generate`` of an entry point, prepared once for the whole call (``attach`` puts this in
-    the instance's ``__dict__``, so it is found before the class's ``generate``).
+    """``generate`` of an entry point, prepared once for the whole call (``attach`` puts this,
+    bound to the entry point, in the instance's ``__dict__``, so it is found before the class's
+    ``generate``).
 
     Per forward, the check costs host time between two graph breaks when transformers compiles
     the base model's ``__call__`` for a static cache (its hooks break the graph), once per
@@ -304,7 +329,8 @@ def _generate(self: nn.Module, *args, **kwargs):
     stay valid: the hooks do nothing until it returns, and the compiled decode step has no
     graph break. A write to the adapters from inside the call (a streamer or logits processor
     that edits weights) is not seen unless it ends the era (``doracheck.clear_norm_cache()``:
-    the layers are then disarmed and compute their own norms)."""
+    the layers are then disarmed and compute their own norms). Forwards of other threads
+    meanwhile prepare for themselves (eager ones; see ``_generating_here``)."""
     holder = self.__dict__.get(_HOLDER)
     original = self.__dict__.get(_GENERATE)
     generate = original if original is not None else type(self).generate.__get__(self)  # type: ignore[attr-defined]
@@ -349,10 +375,11 @@ def attach(layers: list[tuple[nn.Module, str]], entry_points: list[nn.Module]) -
         entry.__dict__[_HOOKS] = (entry.register_forward_pre_hook(_before),
                                   entry.register_forward_hook(_after, always_call=True))
         if callable(getattr(type(entry), "generate", None)) or callable(entry.__dict__.get("generate")):
-            # A bound method of a module-level function: copy.deepcopy rebinds it to the copy.
+            # A partial of a module-level function: copy.deepcopy binds it to the copy, pickle
+            # stores the function by name (a bound method would be looked up as ``entry._generate``).
             if "generate" in entry.__dict__:
                 entry.__dict__[_GENERATE] = entry.__dict__["generate"]
-            entry.__dict__["generate"] = types.MethodType(_generate, entry)
+            entry.__dict__["generate"] = functools.partial(_generate, entry)
             entry.__dict__[_WRAPPED] = True
 
 
@@ -360,9 +387,12 @@ def _remove_hooks(entry: nn.Module) -> None:
     for handle in entry.__dict__.pop(_HOOKS, ()):
         handle.remove()
     if entry.__dict__.pop(_WRAPPED, False):
-        entry.__dict__.pop("generate", None)
-        if _GENERATE in entry.__dict__:
-            entry.__dict__["generate"] = entry.__dict__.pop(_GENERATE)
+        current = entry.__dict__.get("generate")
+        users = entry.__dict__.pop(_GENERATE, None)
+        if isinstance(current, functools.partial) and current.func is _generate:  # ours, not one set after attach
+            entry.__dict__.pop("generate")
+            if users is not None:
+                entry.__dict__["generate"] = users
     entry.__dict__.pop(_HOLDER, None)
     entry.__dict__.pop(_ROLE, None)
 

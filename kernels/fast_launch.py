@@ -11,11 +11,13 @@ launch per layer and token, and is host-bound.
 ``launch(kernel, grid, args, constexprs, options)`` keeps, per kernel, the compiled kernel
 that Triton's own ``run`` returned for a key made of the raw values that decide Triton's
 specialisation: every integer argument as it is, each tensor's dtype, whether all pointers are
-16-byte aligned, the constexprs, the options and the device. Equal raw values give Triton's
+16-byte aligned, the constexprs, the options, the device and the global settings Triton adds to
+its options (debug, instrumentation mode). Equal raw values give Triton's
 key, so the kernel found is the one Triton itself would launch; a new raw value (another
 shape) goes through ``run`` once more. Triton's own path is taken whenever this one could
 differ from it: while torch.compile traces, under the interpreter, with a launch hook set (a
-profiler such as proton added calls to Triton's launch hooks), for an argument of another type, or when a pointer is not 16-byte
+profiler such as proton added calls to Triton's launch hooks), a stage-inspection hook or a
+kernel pre-run hook, for an argument of another type, or when a pointer is not 16-byte
 aligned (a rare offset view; Triton specialises on it).
 """
 
@@ -44,7 +46,16 @@ def _active(hook) -> bool:
 
 
 def _hooks_set() -> bool:
-    return _active(knobs.runtime.launch_enter_hook) or _active(knobs.runtime.launch_exit_hook)
+    """Launch hooks or a stage-inspection hook set: Triton's own path, every launch."""
+    return (_active(knobs.runtime.launch_enter_hook) or _active(knobs.runtime.launch_exit_hook)
+            or getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None)
+
+
+def _settings() -> tuple:
+    """The global settings Triton's ``run`` adds to its options (so to its key): debug,
+    instrumentation mode and, in Triton 3.9, fpsan's homomorphic casts."""
+    return (knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+            getattr(knobs.compilation, "fpsan_homomorphic_casts", None))
 
 
 def _stream(device: int) -> int:
@@ -71,7 +82,7 @@ def _key(args: tuple, constexprs: dict, options: dict) -> tuple | None:
             return None
     if pointers & 15 or device is None:
         return None
-    return (device, *parts, *constexprs.items(), *options.items())
+    return (device, *parts, *constexprs.items(), *options.items(), _settings())
 
 
 def launch(kernel, grid: tuple, args: tuple, constexprs: dict, options: dict) -> None:
@@ -80,7 +91,7 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict, options: dict) ->
     if tracing() or interpreting():
         raise RuntimeError("fast_launch.launch: eager GPU launches only (the caller routes traced and interpreted ones)")
     entries = _CACHE.get(kernel, {})
-    key = None if entries is None or _hooks_set() else _key(args, constexprs, options)
+    key = None if entries is None or _hooks_set() or getattr(kernel, "pre_run_hooks", None) else _key(args, constexprs, options)
     hit = None if key is None else entries.get(key)  # type: ignore[union-attr]
     if hit is not None:
         compiled, tail = hit

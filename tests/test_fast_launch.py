@@ -75,8 +75,8 @@ def test_the_second_launch_with_the_same_raw_arguments_skips_triton():
     assert launch[9:] == (*_args(x), True, 16)  # the arguments, then the constexprs in signature order
 
 
-@pytest.mark.parametrize("change", ["int", "dtype", "constexpr", "option", "misaligned"])
-def test_anything_triton_specialises_on_goes_through_triton_again(change):
+@pytest.mark.parametrize("change", ["int", "dtype", "constexpr", "option", "misaligned", "debug"])
+def test_anything_triton_specialises_on_goes_through_triton_again(change, monkeypatch):
     kernel, x = _Kernel(), torch.zeros(4, 8)
     const, opts = {"FLAG": True}, {"num_warps": 4}
     fast_launch.launch(kernel, (3,), _args(x), const, opts)
@@ -89,6 +89,10 @@ def test_anything_triton_specialises_on_goes_through_triton_again(change):
         const = {"FLAG": False}
     elif change == "option":
         opts = {"num_warps": 8}
+    elif change == "debug":  # a global setting Triton's run adds to its options
+        from triton import knobs
+
+        monkeypatch.setattr(knobs.runtime, "debug", not knobs.runtime.debug)
     else:
         args = _args(x.view(-1)[1:].view(1, -1))  # 4 bytes past an aligned address
     fast_launch.launch(kernel, (3,), args, const, opts)
@@ -101,6 +105,14 @@ def test_launch_hooks_send_every_launch_through_triton(monkeypatch):
     kernel, x = _Kernel(), torch.zeros(4, 8)
     fast_launch.launch(kernel, (3,), _args(x), {}, {})
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
+    fast_launch.launch(kernel, (3,), _args(x), {}, {})
+    assert len(kernel.slow) == 2 and not kernel.compiled.launches
+
+
+def test_a_pre_run_hook_sends_every_launch_through_triton():
+    kernel, x = _Kernel(), torch.zeros(4, 8)
+    fast_launch.launch(kernel, (3,), _args(x), {}, {})
+    kernel.pre_run_hooks = [lambda *a, **k: None]
     fast_launch.launch(kernel, (3,), _args(x), {}, {})
     assert len(kernel.slow) == 2 and not kernel.compiled.launches
 

@@ -550,7 +550,7 @@ def test_generate_of_a_deep_copy_runs_the_copy(model, monkeypatch):
     import copy
 
     copied = copy.deepcopy(model)
-    assert copied.get_base_model().generate.__self__ is copied.get_base_model()
+    assert copied.get_base_model().generate.args[0] is copied.get_base_model()
     with torch.no_grad():
         copied.base_model.model.model.layers[0].mlp.gate_proj.lora_B["default"].weight.mul_(2.0)
     ids = tokens(13, batch=1)
@@ -559,18 +559,62 @@ def test_generate_of_a_deep_copy_runs_the_copy(model, monkeypatch):
     assert not torch.equal(_generate(model, ids)[1], _generate(copied, ids)[1])
 
 
-def test_an_enabled_model_can_be_pickled_whole(model):
-    """``torch.save(model)`` (pickle) of a used, enabled model: no weak reference or id is
-    pickled (the loaded slots would find their modules again)."""
+def test_an_enabled_model_can_be_pickled_whole_and_loaded(model, monkeypatch):
+    """``torch.save(model)`` (pickle) of a used, enabled model and back: no weak reference, id or
+    running state is pickled, and the loaded model's ``generate`` runs the loaded model. (A
+    buffer of our own making, loaded with ``weights_only=False``; never a user's file.)"""
     import io
-    import pickle
 
-    _generate(model, tokens(14, batch=1))
+    ids = tokens(14, batch=1)
+    _generate(model, ids)
     buf = io.BytesIO()
     torch.save(model, buf)
-    assert buf.tell() > 0
-    slot = model.__dict__[inference_norms._HOLDER].slots[0]
-    assert pickle.loads(pickle.dumps(slot)).stamp is None  # a slot we made ourselves, not a user file
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded.get_base_model().generate.args[0] is loaded.get_base_model()
+    with torch.no_grad():
+        loaded.base_model.model.model.layers[1].mlp.up_proj.lora_B["default"].weight.mul_(2.0)
+    got = _generate(loaded, ids)
+    assert torch.equal(got[1], _unarmed_generate(monkeypatch, loaded, ids)[1])
+    assert not torch.equal(got[1], _generate(model, ids)[1])
+
+
+def test_another_threads_forward_during_generate_prepares_for_itself(model, monkeypatch):
+    """While one thread is inside ``generate`` (held there by a logits processor), a forward of
+    another thread after an adapter update sees the update (a server evaluating or loading
+    weights while a request generates)."""
+    import threading
+
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    started, release = threading.Event(), threading.Event()
+
+    class Hold(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            started.set()
+            release.wait(timeout=60)
+            return scores
+
+    def generate():
+        _generate(model, tokens(19, batch=1), logits_processor=LogitsProcessorList([Hold()]))
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    try:
+        assert started.wait(timeout=60)
+        ids = tokens(20)
+        with torch.no_grad():
+            model.base_model.model.model.layers[0].self_attn.v_proj.lora_B["default"].weight.mul_(3.0)
+            got = model(ids).logits
+        with monkeypatch.context() as patch:
+            patch.setattr(inference_norms, "norm_buffer", lambda module, adapter: None)
+            with torch.no_grad():
+                want = model(ids).logits
+    finally:
+        release.set()
+        worker.join(timeout=60)
+    assert torch.equal(got, want)
+    assert not model.__dict__[inference_norms._HOLDER].generating and not _any_armed(model)
 
 
 def test_disable_restores_generate_and_a_users_own_generate_is_kept():
@@ -593,6 +637,10 @@ def test_disable_restores_generate_and_a_users_own_generate_is_kept():
     disable(m)
     assert inner.__dict__["generate"] is logged_generate
     assert "generate" not in m.__dict__
+    enable(m)
+    inner.generate = replaced_later = lambda *a, **k: None  # set by the user after enable: kept by disable
+    disable(m)
+    assert inner.__dict__["generate"] is replaced_later
 
 
 @pytest.mark.gpu
@@ -646,7 +694,7 @@ def test_armed_layers_take_the_short_path_and_are_bitwise_the_general_path(model
 
 
 @pytest.mark.parametrize("case", ["plain", "two_active", "dropout_in_training", "variant_kwargs", "trainable_base",
-                                  "other_dtype", "unarmed", "non_contiguous"])
+                                  "other_dtype", "unarmed", "non_contiguous", "bias_not_a_parameter"])
 def test_the_short_path_declines_what_it_does_not_cover(model, case):
     """The short path answers only the plain armed call; everything else gets None (the general
     path, which handles or names it)."""
@@ -672,6 +720,9 @@ def test_the_short_path_declines_what_it_does_not_cover(model, case):
                 x = x.double()
             elif case == "unarmed":
                 inference_norms._finish(holder)
+            elif case == "bias_not_a_parameter":  # as pruning or a parametrization leaves it
+                del layer.base_layer._parameters["bias"]
+                layer.base_layer.bias = torch.ones(64)
             result = layer.base_layer(x.float())
             if case == "non_contiguous":
                 result = result.transpose(0, 1).contiguous().transpose(0, 1)

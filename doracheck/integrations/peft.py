@@ -112,7 +112,8 @@ def _armed_forward(module: nn.Module, adapter: str, x: torch.Tensor, result: tor
     the compose). The same checks and the same operations (``forward.compose_armed``), so
     bitwise the general path's output; anything unusual (several active adapters, dropout in
     training mode, variant keyword arguments, fan_in_fan_out, a trainable or nested base layer,
-    dtypes that differ, a non-contiguous output, fp64) takes the general path."""
+    a weight or bias that is not a registered parameter (pruning, parametrizations), dtypes
+    that differ, a non-contiguous output, fp64) takes the general path."""
     mods: dict[str, Any] = module._modules
     try:
         base_layer = mods["base_layer"]
@@ -129,7 +130,9 @@ def _armed_forward(module: nn.Module, adapter: str, x: torch.Tensor, result: tor
             or (kwargs and any(v is not None for v in kwargs.values())) or weight is None or weight.requires_grad
             or x.dtype != result.dtype or x.dtype == torch.float64 or not result.is_contiguous()):
         return None
-    bias = base_layer._parameters.get("bias")
+    if "bias" not in base_layer._parameters:  # pruned or parametrized: a plain attribute the general path reads
+        return None
+    bias = base_layer._parameters["bias"]
     scalings: dict = getattr(module, "scaling")  # noqa: B009 (PEFT's per-adapter dict; typed for mypy)
     scaling = float(scalings[adapter])
     check_dora_inputs(x, weight, lora_A, lora_B, magnitude, scaling, bias, dropout_p=0.0, fan_in_fan_out=False)
