@@ -19,6 +19,7 @@ import peft
 import torch
 import torch.nn.functional as F
 from host_breakdown import cprofile_text, host_us
+from row_csv import print_report
 from torch import nn
 
 from doracheck import dispatch, inference_norms, numerics
@@ -154,11 +155,7 @@ def main() -> int:
             f"no grad; host µs per call, median of 5 batches of {args.n}")
     lines = [head, *(f"{name:<48}{us:8.1f}" for name, us in rows), "== cProfile of 2000 armed doracheck layer calls, by own time",
              profile]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print_report(lines, args.out)
     return 0
 
 

@@ -29,3 +29,11 @@ check_summary() {  # the GPU tests', memcheck's and verify's last lines, where t
   grep -E "ERROR SUMMARY|passed|failed" "$R/memcheck.log" 2>/dev/null | tail -n 3
   tail -c 600 "$R/verify.log" 2>/dev/null; echo
 }
+install_old() {  # .old/ (git archive of an earlier commit, carried) installed apart; $OLD prefixes a command with it
+  if [[ -d .old ]]; then
+    $PY -m pip install --no-deps --no-build-isolation -q --target /tmp/old ./.old >"$R/install_old.log" 2>&1 || tail -5 "$R/install_old.log"
+    OLD="env PYTHONPATH=/tmp/old${PYTHONPATH:+:$PYTHONPATH}"
+    (cd benchmarks && $OLD $PY -c "import doracheck; print('old library (from benchmarks/) at', doracheck.__file__)") | tee -a "$R/gpus.txt"
+  fi
+  $PY -c "import doracheck; print('new library at', doracheck.__file__)" | tee -a "$R/gpus.txt"
+}

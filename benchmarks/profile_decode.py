@@ -18,6 +18,7 @@ import time
 import torch
 from bench_model import build
 from llama_model import add_llama_args
+from row_csv import print_report
 
 
 def main(argv=None) -> int:
@@ -67,11 +68,7 @@ def main(argv=None) -> int:
     lines.append(f"profiled: CUDA self time {kernel_us / n:.1f} µs per token; CPU self time {cpu_us / n:.1f} µs per token")
     lines.append(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
     lines.append(events.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=70))
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print_report(lines, args.out)
     return 0
 
 

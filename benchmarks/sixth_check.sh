@@ -9,12 +9,7 @@ set -u
 source benchmarks/gpu_common.sh
 export CUDA_VISIBLE_DEVICES=0
 PARTS=",${1:-sweep,prepare,decode,compiled},"
-if [[ -d .old ]]; then
-  $PY -m pip install --no-deps --no-build-isolation -q --target /tmp/old ./.old >"$R/install_old.log" 2>&1 || tail -5 "$R/install_old.log"
-  OLD="env PYTHONPATH=/tmp/old${PYTHONPATH:+:$PYTHONPATH}"
-  (cd benchmarks && $OLD $PY -c "import doracheck; print('old library (from benchmarks/) at', doracheck.__file__)") | tee -a "$R/gpus.txt"
-fi
-$PY -c "import doracheck; print('new library at', doracheck.__file__)" | tee -a "$R/gpus.txt"
+install_old
 GPU_TESTS="tests/test_norm_graphs.py tests/test_kernels_gpu.py tests/test_training_loops.py tests/test_autocast.py tests/test_zero_magnitude.py tests/test_inference_norms.py tests/test_compile_fullgraph.py"
 if [[ $PARTS == *,tests,* ]]; then
   # shellcheck disable=SC2086

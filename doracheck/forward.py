@@ -136,10 +136,16 @@ def compose_armed(result: torch.Tensor, x: torch.Tensor, lora_A: torch.Tensor, l
     ``from_base_forward(..., need_saved=False, n_safe=n_safe)``, so bitwise its output, in fewer
     host steps: this runs for every layer of every eager decode token."""
     x2 = x.reshape(-1, x.shape[-1])
-    r2 = result.view(x2.shape[0], result.shape[-1])
-    A = lora_A if lora_A.dtype == x2.dtype else lora_A.to(x2.dtype)
-    _write(r2, backend.compose_infer(r2, x2 @ A.t(), lora_B, magnitude, n_safe, _contiguous_bias(bias), scaling, True))
+    _infer_into(result.view(x2.shape[0], result.shape[-1]), x2, lora_A, lora_B, magnitude, bias, scaling, n_safe, backend)
     return result
+
+
+def _infer_into(r2: torch.Tensor, x2: torch.Tensor, lora_A, lora_B, magnitude, bias, scaling: float, n_safe: torch.Tensor,
+                backend: Backend) -> None:
+    """r2 (T, d_out) = b + g⊙(r2 - b + s·(x2·Aᵀ)·Bᵀ), g = m / n_safe formed in the compose: the
+    inference compose of both entry points (the armed short path and ``from_base_forward``)."""
+    A = in_dtype(lora_A, x2.dtype)
+    _write(r2, backend.compose_infer(r2, x2 @ A.t(), lora_B, magnitude, n_safe, _contiguous_bias(bias), scaling, True))
 
 
 def _write(r2: torch.Tensor, y: torch.Tensor) -> None:
@@ -167,10 +173,10 @@ def from_base_forward(result: torch.Tensor, x: torch.Tensor, a: LayerArgs, keep_
         fn, g = None, None if g_in_kernel else magnitude_scale(a.magnitude, n_safe)
     else:
         fn, g, n_safe = norm_and_scale(backend, a, need_g=not g_in_kernel, recording=need_saved)
-    A = in_dtype(a.lora_A, cd)
     if g_in_kernel:  # inference: g = m / n inside the compose, nothing kept
-        _write(r2, backend.compose_infer(r2, x2 @ A.t(), a.lora_B, a.magnitude, n_safe, bias, a.scaling, True))
+        _infer_into(r2, x2, a.lora_A, a.lora_B, a.magnitude, a.bias, a.scaling, n_safe, backend)
         return out, None
+    A = in_dtype(a.lora_A, cd)
     keep, x_d = _keep(keep_mask, x, x2, a.dropout_p)
     xa = x_d @ A.t()
     from_output = False
