@@ -87,6 +87,31 @@ def _direct_launch_cases(launch):
             ("      current raw stream", lambda: torch._C._cuda_getCurrentRawStream(0))]
 
 
+def _plan_cases(dc, x, result, A, B, m, n_safe):
+    """The armed layer's plan (doracheck/integrations/peft_armed.py) and its two launches, where
+    the library measured has one (an earlier library, run from .old/, has not)."""
+    try:
+        from doracheck.integrations import peft_armed
+    except ImportError:
+        return []
+    dc(x)  # the first armed call keeps the plan
+    plan = dc.__dict__[peft_armed._PLANS]["default"]
+
+    def xa_flags_off():
+        numerics._flags_enter()
+        try:
+            return F.linear(x, A)
+        finally:
+            numerics._flags_exit()
+
+    xa = xa_flags_off()
+    return [
+        ("  peft_armed.armed_forward (after the base linear)", lambda: peft_armed.armed_forward(dc, "default", x, result, {})),
+        ("    F.linear(x, A), flags off", xa_flags_off),
+        ("    InferCompose (direct launch)", lambda: plan.compose(result, xa, 1, B, m, None, n_safe) if plan.compose else None),
+    ]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d", type=int, default=4096)
@@ -141,6 +166,7 @@ def main() -> int:
             ("      lora_up_compose_triton (launch, fast_launch)", lambda: lora_up_compose_triton(r2, xa, B, m, s, None, out=r2,
                                                                                       base_has_bias=True, n_safe=n_safe)),
         ]
+        cases += _plan_cases(dc, x, result, A, B, m, n_safe)
         if dev.type == "cuda":
             cases += _direct_launch_cases(lambda: lora_up_compose_triton(r2, xa, B, m, s, None, out=r2, base_has_bias=True,
                                                                           n_safe=n_safe))

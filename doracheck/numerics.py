@@ -34,7 +34,7 @@ def _read_flags() -> tuple:
     if _FLAGS is None:
         matmul = torch.backends.cuda.matmul
         return tuple(getattr(matmul, name) for name in _PROPERTIES)
-    return tuple(get() for get, _ in _FLAGS)
+    return (_FLAGS[0][0](), _FLAGS[1][0]())
 
 
 def _write_flags(values: tuple) -> None:
@@ -69,11 +69,15 @@ _flags_held: dict[str, Any] = {"depth": 0, "saved": None}
 
 
 def _flags_enter() -> None:
+    """Only a flag that is on is written (and, on the last exit, written back): with the flags off
+    already, entering costs two reads. This runs around every GEMM doracheck issues in eager."""
     with _flags_lock:
         if _flags_held["depth"] == 0:
             saved = _read_flags()
-            _write_flags(tuple(_fp32_reduction(v) for v in saved))
-            _flags_held["saved"] = saved
+            target = (_fp32_reduction(saved[0]), _fp32_reduction(saved[1]))
+            if target != saved:
+                _write_flags(target)
+                _flags_held["saved"] = saved
         _flags_held["depth"] += 1
 
 
@@ -82,7 +86,8 @@ def _flags_exit() -> None:
         _flags_held["depth"] -= 1
         if _flags_held["depth"] == 0:
             saved, _flags_held["saved"] = _flags_held["saved"], None
-            _write_flags(saved)
+            if saved is not None:
+                _write_flags(saved)
 
 
 class _FlagsOff:

@@ -164,11 +164,16 @@ def lora_up_compose_triton(
     ``base_has_bias``: ``base`` already holds x·Wᵀ + b (no dropout): y = g⊙(base - b + s·lora) + b.
     ``n_safe``: then ``g`` is the magnitude m and the kernel forms g = m / n_safe itself
     (correctly rounded, as torch divides), which saves the host one op per call."""
+    return _compose(base, xa, lora_B, g, scaling, bias, base_dropped, out, z_out, base_has_bias, n_safe)[0]
+
+
+def _compose(base, xa, lora_B, g, scaling, bias, base_dropped, out, z_out, base_has_bias, n_safe):
+    """(y, the ``fast_launch.Entry`` launched through or kept or None, the grid) for ``lora_up_compose_triton``."""
     T, d_out = base.shape
     r = xa.shape[1]
     y = out if out is not None else torch.empty_like(base)
     if T == 0 or d_out == 0:
-        return y
+        return y, None, None
     cfg = compose_config(T, d_out, r)
     dot_dtype = _TL_DTYPE[xa.dtype]
     grid = (triton.cdiv(T, cfg.block_m) * triton.cdiv(d_out, cfg.block_n),)
@@ -195,9 +200,59 @@ def lora_up_compose_triton(
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if traced or interpreting():
         launcher(_lora_up_compose_kernel, traced)[grid](*args, **constexprs, **options)
-    else:  # eager on a GPU: decode launches this once per layer and token (kernels/fast_launch.py)
-        fast_launch.launch(_lora_up_compose_kernel, grid, args, constexprs, options)
-    return y
+        return y, None, grid
+    # eager on a GPU: decode launches this once per layer and token (kernels/fast_launch.py)
+    return y, fast_launch.launch(_lora_up_compose_kernel, grid, args, constexprs, options), grid
+
+
+class InferCompose:
+    """One layer's inference compose, launched again and again with its B, m, b, max(n, eps) and s
+    unchanged (an armed layer in eager decode: every layer of every token):
+        base (T rows of d_out, in place) <- b + g⊙(base - b + s·xa·Bᵀ),  g = m / max(n, eps) in the kernel.
+    The first call of each T launches through ``lora_up_compose_triton`` and keeps the
+    ``fast_launch.Entry`` Triton chose for it; later calls of that T launch that entry directly
+    with the same argument list, in which only the base and xa pointers differ, after the checks
+    that make it the kernel Triton would choose for them: both pointers 16-byte aligned, on the
+    entry's device, which is the current one, Triton's hooks and settings as they were. So the
+    output is bitwise the general launch's (the same compiled kernel, the same arguments).
+
+    The caller guarantees, at every call: ``base`` contiguous with T·d_out elements and ``xa``
+    contiguous with T·r, both of B's dtype family as at the first call, and B, m, b, n_safe the
+    very tensors (address, shape, strides, dtype) of the first call (``integrations.peft_armed``
+    checks that). No tensor is kept here: the plan holds none of the layer's memory."""
+
+    __slots__ = ("d_out", "r", "scaling", "_by_T")
+
+    _MAX_T = 8  # distinct token counts kept (decode: the prompt's, then 1); cleared beyond
+
+    def __init__(self, d_out: int, r: int, scaling: float):
+        self.d_out, self.r, self.scaling = d_out, r, float(scaling)
+        self._by_T: dict[int, tuple] = {}
+
+    def __call__(self, base: torch.Tensor, xa: torch.Tensor, T: int, lora_B: torch.Tensor, magnitude: torch.Tensor,
+                 bias: torch.Tensor | None, n_safe: torch.Tensor) -> None:
+        d, r = self.d_out, self.r
+        hit = self._by_T.get(T)
+        if hit is not None:
+            entry, grid = hit
+            if (not ((base.data_ptr() | xa.data_ptr()) & 15) and base.get_device() == entry.device == _current_device()
+                    and fast_launch.direct_allowed(_lora_up_compose_kernel, entry)):
+                fast_launch.run_entry(entry, grid, (
+                    base, d, 1, base, d, 1, base, d, 1, base, d, 1, xa, r, 1,
+                    lora_B, lora_B.stride(0), lora_B.stride(1), magnitude, magnitude if bias is None else bias, n_safe,
+                    T, d, r, self.scaling,
+                ))
+                return
+        b2, x2 = base.view(T, d), xa.view(T, r)
+        _, entry, grid = _compose(b2, x2, lora_B, magnitude, self.scaling, bias, None, b2, None, True, n_safe)
+        if entry is not None and b2.stride() == (d, 1) and x2.stride() == (r, 1):  # the argument list above
+            if len(self._by_T) >= self._MAX_T:
+                self._by_T.clear()
+            self._by_T[T] = (entry, grid)
+
+
+def _current_device() -> int:
+    return torch._C._cuda_getDevice()
 
 
 def grad_scale_dm_triton(

@@ -23,7 +23,7 @@ aligned (a rare offset view; Triton specialises on it).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from triton import knobs
@@ -33,7 +33,7 @@ from .triton_common import interpreting
 
 _MAX_ENTRIES = 512  # per kernel: distinct shapes seen; cleared when exceeded (a miss only costs Triton's path)
 
-# kernel -> {key: (compiled kernel, constexpr values in signature order)}; a kernel whose
+# kernel -> {key: Entry}; a kernel whose
 # signature this module cannot bind (constexprs not last, a Triton without the expected
 # internals) maps to None and always takes Triton's path.
 _CACHE: dict[Any, dict | None] = {}
@@ -69,15 +69,17 @@ def _key(args: tuple, constexprs: dict, options: dict) -> tuple | None:
     parts: list = []
     pointers = 0
     device = None
-    for a in args:
-        if isinstance(a, torch.Tensor):
+    for a in args:  # type() first: integers (the strides and sizes) are most of the arguments
+        kind = type(a)
+        if kind is int:  # not bool (Triton specialises it apart) nor another int subclass
+            parts.append(a)
+        elif kind is float:
+            parts.append(float)  # fp32 scalars are not specialised on their value
+        elif isinstance(a, torch.Tensor):
             parts.append(a.dtype)
             pointers |= a.data_ptr()
-            device = a.get_device() if device is None else device
-        elif isinstance(a, int) and not isinstance(a, bool):
-            parts.append(a)
-        elif isinstance(a, float):
-            parts.append(float)  # fp32 scalars are not specialised on their value
+            if device is None:
+                device = a.get_device()
         else:
             return None
     if pointers & 15 or device is None:
@@ -85,28 +87,56 @@ def _key(args: tuple, constexprs: dict, options: dict) -> tuple | None:
     return (device, *parts, *constexprs.items(), *options.items(), _settings())
 
 
-def launch(kernel, grid: tuple, args: tuple, constexprs: dict, options: dict) -> None:
+def launch(kernel, grid: tuple, args: tuple, constexprs: dict, options: dict):
     """``kernel[grid](*args, **constexprs, **options)``, through the compiled kernel Triton chose
-    for the same raw arguments before, when there is one (see the module docstring)."""
+    for the same raw arguments before, when there is one (see the module docstring). Returns the
+    ``Entry`` it launched through or kept, or None where Triton's own path is the only one."""
     if tracing() or interpreting():
         raise RuntimeError("fast_launch.launch: eager GPU launches only (the caller routes traced and interpreted ones)")
     entries = _CACHE.get(kernel, {})
-    key = None if entries is None or _hooks_set() or getattr(kernel, "pre_run_hooks", None) else _key(args, constexprs, options)
+    key = None if entries is None or not direct_allowed(kernel) else _key(args, constexprs, options)
     hit = None if key is None else entries.get(key)  # type: ignore[union-attr]
     if hit is not None:
-        compiled, tail = hit
-        device = key[0]  # type: ignore[index]
-        stream = _stream(device)
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
-        return
+        run_entry(hit, grid, args)
+        return hit
     compiled = kernel[grid](*args, **constexprs, **options)
     if key is not None and entries is not None:
-        _remember(kernel, entries, key, compiled, args, constexprs, options)
+        return _remember(kernel, entries, key, compiled, args, constexprs, options)
+    return None
 
 
-def _remember(kernel, entries: dict, key: tuple, compiled, args: tuple, constexprs: dict, options: dict) -> None:
+class Entry(NamedTuple):
+    """A compiled kernel Triton chose, and what a direct launch of it needs: the device, the
+    constexpr values in signature order (appended to the arguments) and the global settings it
+    was chosen under."""
+
+    compiled: Any
+    tail: tuple
+    device: int
+    settings: tuple
+
+
+def direct_allowed(kernel, entry: Entry | None = None) -> bool:
+    """Whether a launch may skip Triton's ``run`` now: no launch, stage-inspection or pre-run
+    hook set and, for ``entry``, Triton's global settings as they were when it was kept. A caller
+    holding an ``Entry`` for fixed arguments (``compose_triton.InferCompose``) asks this per launch."""
+    if _hooks_set() or getattr(kernel, "pre_run_hooks", None):
+        return False
+    return entry is None or entry.settings == _settings()
+
+
+def run_entry(entry: Entry, grid: tuple, args: tuple) -> None:
+    """Launch ``entry``'s compiled kernel on the current stream of its device with ``args``, which
+    must be what Triton specialises identically to the arguments it was kept for (same dtypes,
+    integers, 16-byte alignment); the caller has checked ``direct_allowed``."""
+    compiled = entry.compiled
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    compiled.run(grid[0], g1, g2, _stream(entry.device), compiled.function, compiled.packed_metadata, None, None, None,
+                 *args, *entry.tail)
+
+
+def _remember(kernel, entries: dict, key: tuple, compiled, args: tuple, constexprs: dict, options: dict) -> Entry | None:
     """Keep ``compiled`` for ``key`` once the kernel's signature is known to bind as
     (args in order, then the constexprs): checked against Triton's own binder."""
     try:
@@ -120,11 +150,13 @@ def _remember(kernel, entries: dict, key: tuple, compiled, args: tuple, constexp
         ok = False
     if not ok:
         _CACHE[kernel] = None
-        return
+        return None
     if len(entries) >= _MAX_ENTRIES:
         entries.clear()
-    entries[key] = (compiled, tail)
+    entry = Entry(compiled, tail, key[0], key[-1])
+    entries[key] = entry
     _CACHE[kernel] = entries
+    return entry
 
 
 def clear() -> None:

@@ -33,11 +33,10 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.lora.variants import DoraLinearVariant
 from torch import nn
 
-from doracheck import dispatch, inference_norms
+from doracheck import inference_norms
 from doracheck.autograd import dora_from_base
-from doracheck.forward import compose_armed
 from doracheck.inference_norms import _ARMED
-from doracheck.numerics import our_numerics
+from doracheck.integrations.peft_armed import armed_forward
 from doracheck.validation import check_dora_inputs
 
 logger = logging.getLogger("doracheck")
@@ -51,7 +50,7 @@ class DoracheckDoraLinearVariant(DoraLinearVariant):
     def forward(module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:  # type: ignore[override]
         # Not while torch.compile traces: the compiled graph keeps the general path's functional form.
         if not torch.is_grad_enabled() and module.__dict__.get(_ARMED) and not torch.compiler.is_compiling():
-            y = _armed_forward(module, active_adapter, x, result, kwargs)
+            y = armed_forward(module, active_adapter, x, result, kwargs)
             if y is not None:
                 return y
         base_layer, lora_A_mod, lora_B_mod, magnitude_mod, dropout, lora_A_dict = _submodules(module, active_adapter)
@@ -101,46 +100,6 @@ class DoracheckDoraLinearVariant(DoraLinearVariant):
             result_is_base,
             n_safe,
         )
-
-
-def _armed_forward(module: nn.Module, adapter: str, x: torch.Tensor, result: torch.Tensor, kwargs: dict) -> torch.Tensor | None:
-    """The forward of an armed layer (inside ``generate`` or another forward without grad mode
-    that the model's hook prepared), in the fewest host operations, or None for the general
-    path. Eager decode is host-bound: on the H200 host of 2026-12-02 (benchmarks/results/
-    decode_layer_host_h200.txt) the general path spent 248.6 µs of host time per layer and token
-    after the base linear, about 140 of them in Python between the two GPU launches (x·Aᵀ and
-    the compose). The same checks and the same operations (``forward.compose_armed``), so
-    bitwise the general path's output; anything unusual (several active adapters, dropout in
-    training mode, variant keyword arguments, fan_in_fan_out, a trainable or nested base layer,
-    a weight or bias that is not a registered parameter (pruning, parametrizations), dtypes
-    that differ, a non-contiguous output, fp64) takes the general path."""
-    mods: dict[str, Any] = module._modules
-    try:
-        base_layer = mods["base_layer"]
-        A_mod, B_mod = mods["lora_A"]._modules[adapter], mods["lora_B"]._modules[adapter]
-        m_mod, dropout = mods["lora_magnitude_vector"]._modules[adapter], mods["lora_dropout"]._modules[adapter]
-        weight, lora_A, lora_B = base_layer._parameters["weight"], A_mod._parameters["weight"], B_mod._parameters["weight"]
-        magnitude = m_mod._parameters["weight"]
-    except KeyError:
-        return None
-    n_safe = inference_norms.norm_buffer(module, adapter)
-    active = module.__dict__.get("_active_adapter")  # PEFT keeps a str or a list of names there
-    if (n_safe is None or "base_layer" in base_layer._modules or (active != adapter and active != [adapter])
-            or module.fan_in_fan_out or (module.training and type(dropout) is not nn.Identity)
-            or (kwargs and any(v is not None for v in kwargs.values())) or weight is None or weight.requires_grad
-            or x.dtype != result.dtype or x.dtype == torch.float64 or not result.is_contiguous()):
-        return None
-    if "bias" not in base_layer._parameters:  # pruned or parametrized: a plain attribute the general path reads
-        return None
-    bias = base_layer._parameters["bias"]
-    scalings: dict = getattr(module, "scaling")  # noqa: B009 (PEFT's per-adapter dict; typed for mypy)
-    scaling = float(scalings[adapter])
-    check_dora_inputs(x, weight, lora_A, lora_B, magnitude, scaling, bias, dropout_p=0.0, fan_in_fan_out=False)
-    if result.shape[-1] != lora_B.shape[0] or result.shape[:-1] != x.shape[:-1]:
-        return None  # the general path raises the error that names it
-    with our_numerics(result.device.type):
-        return compose_armed(result, x, lora_A, lora_B, magnitude, bias, scaling, n_safe,
-                             dispatch.backend_for(x, weight, lora_A, lora_B, magnitude, bias))
 
 
 def _submodules(module: nn.Module, adapter: str):

@@ -1,0 +1,238 @@
+"""The forward of an armed PEFT DoRA layer (doracheck/integrations/peft_armed.py).
+
+An armed layer (inside ``generate``, or another forward the model's hook prepared without grad
+mode) keeps a plan per adapter after its first full check, and later calls run through the plan
+while everything it was made from is unchanged. These check, on the CPU (torch twin), that the
+plan gives bitwise the general path's output, that it is dropped whenever anything it read
+changes, that unusual calls take the general path, and that a plan neither survives a copy nor
+keeps the layer's tensors alive. ``test_decode_plan_gpu.py`` checks the Triton launch it makes.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import weakref
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from peft_models import dora_model, tokens  # noqa: E402
+
+from doracheck import inference_norms  # noqa: E402
+from doracheck.integrations import peft as integration  # noqa: E402
+from doracheck.integrations import peft_armed  # noqa: E402
+from doracheck.integrations.peft import enable  # noqa: E402
+from doracheck.norm_cache import clear_norm_cache  # noqa: E402
+
+
+@pytest.fixture
+def model():
+    clear_norm_cache()
+    m = dora_model(0)
+    enable(m)
+    m.eval()
+    return m
+
+
+@pytest.fixture
+def plan_runs(monkeypatch):
+    """How many armed calls the plans answered (not None)."""
+    runs = []
+    real = peft_armed.ArmedPlan.run
+
+    def counted(self, *args):
+        y = real(self, *args)
+        runs.append(y is not None)
+        return y
+
+    monkeypatch.setattr(peft_armed.ArmedPlan, "run", counted)
+    return runs
+
+
+def _logits(m, ids):
+    with torch.no_grad():
+        return m(ids).logits
+
+
+def _general(monkeypatch, m, ids, call=_logits):
+    """The same forward with the armed path off (every armed layer through the general path)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(integration, "armed_forward", lambda *a: None)
+        return call(m, ids)
+
+
+def _layer(m):
+    return m.base_model.model.model.layers[0].mlp.up_proj
+
+
+def test_armed_layers_keep_a_plan_and_are_bitwise_the_general_path(model, plan_runs, monkeypatch):
+    ids = tokens(18)
+    first = _logits(model, ids)
+    assert plan_runs == []  # the first call of each layer makes its plan
+    second = _logits(model, ids)
+    assert plan_runs == [True] * 14  # every layer (2 decoder layers x 7 projections) through its plan
+    general = _general(monkeypatch, model, ids)
+    assert torch.equal(first, general) and torch.equal(second, general)
+
+
+def _armed_call(model, layer, x, kwargs=None):
+    """The armed call of ``layer`` on ``x`` (its base output computed here), as a forward of the
+    model prepares it."""
+    holder = model.__dict__[inference_norms._HOLDER]
+    with torch.no_grad():
+        inference_norms._prepare(model, holder)
+        try:
+            result = layer.base_layer(x.float())
+            return peft_armed.armed_forward(layer, "default", x, result, kwargs or {}), result
+        finally:
+            inference_norms._finish(holder)
+
+
+@pytest.mark.parametrize("case", ["plain", "two_active", "dropout_in_training", "variant_kwargs", "trainable_base",
+                                  "other_dtype", "unarmed", "non_contiguous", "bias_not_a_parameter", "autocast"])
+@pytest.mark.parametrize("with_plan", [False, True], ids=["first_call", "plan_kept"])
+def test_the_armed_path_declines_what_it_does_not_cover(model, case, with_plan, plan_runs):
+    """Only the plain armed call is answered, with or without a plan kept from an earlier call;
+    everything else gets None (the general path, which handles or names it). Under autocast a
+    kept plan declines and the full checks answer (their numerics turn autocast off)."""
+    layer = _layer(model)
+    x = torch.randn(2, 3, 32)
+    if with_plan:
+        assert _armed_call(model, layer, x)[0] is not None
+        assert "default" in layer.__dict__[peft_armed._PLANS]
+    kwargs: dict = {}
+    holder = model.__dict__[inference_norms._HOLDER]
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "autocast")
+    with torch.no_grad(), autocast:
+        inference_norms._prepare(model, holder)
+        try:
+            if case == "two_active":
+                layer._active_adapter = ["default", "other"]
+            elif case == "dropout_in_training":
+                layer.lora_dropout["default"] = torch.nn.Dropout(0.1)
+                layer.train()
+            elif case == "variant_kwargs":
+                kwargs = {"alora_offsets": [1, 2]}
+            elif case == "trainable_base":
+                layer.base_layer.weight.requires_grad_(True)
+            elif case == "other_dtype":
+                x = x.double()
+            elif case == "unarmed":
+                inference_norms._finish(holder)
+            elif case == "bias_not_a_parameter":  # as pruning or a parametrization leaves it
+                del layer.base_layer._parameters["bias"]
+                layer.base_layer.bias = torch.ones(64)
+            with torch.autocast("cpu", enabled=False):
+                result = layer.base_layer(x.float())
+            if case == "non_contiguous":
+                result = result.transpose(0, 1).contiguous().transpose(0, 1)
+            got = peft_armed.armed_forward(layer, "default", x, result, kwargs)
+        finally:
+            inference_norms._finish(holder)
+    assert (got is not None) == (case in ("plain", "autocast"))
+    assert plan_runs == ([True] if case == "plain" and with_plan else [False] if with_plan else [])
+
+
+def _replace_B(layer):
+    B = layer.lora_B["default"]
+    B.weight = torch.nn.Parameter(B.weight.detach() * 1.5)
+
+
+def _B_through_data(layer):
+    B = layer.lora_B["default"].weight
+    B.data = B.data * 1.5
+
+
+def _m_through_data(layer):
+    m = layer.lora_magnitude_vector["default"].weight
+    m.data = m.data * 0.5
+
+
+def _B_view_at_the_same_address(layer):  # same object, same address, other strides
+    B = layer.lora_B["default"].weight
+    B.data = B.data.t().contiguous().t()
+
+
+def _scaling(layer):
+    layer.scaling["default"] = 3.0
+
+
+def _new_buffer(layer):
+    name = layer.__dict__[inference_norms._NAMES]["default"]
+    layer._buffers[name] = layer._buffers[name].clone()
+
+
+def _replace_dropout(layer):
+    layer.lora_dropout["default"] = torch.nn.Identity()
+
+
+@pytest.mark.parametrize("change", [_replace_B, _B_through_data, _m_through_data, _B_view_at_the_same_address, _scaling,
+                                    _new_buffer, _replace_dropout])
+def test_a_plan_is_not_used_once_anything_it_was_made_from_changed(model, change, plan_runs, monkeypatch):
+    """The call after the change is answered by the full checks (a new plan), bitwise the general
+    path's output; the call after that by the new plan."""
+    layer = _layer(model)
+    x = torch.randn(2, 3, 32)
+    _armed_call(model, layer, x)
+    old_plan = layer.__dict__[peft_armed._PLANS]["default"]
+    change(layer)
+    got, _ = _armed_call(model, layer, x)
+    assert plan_runs == [False]
+    new_plan = layer.__dict__[peft_armed._PLANS]["default"]
+    assert new_plan is not old_plan
+    with monkeypatch.context() as patch:
+        patch.setattr(peft_armed, "armed_forward", lambda *a: None)
+        patch.setattr(integration, "armed_forward", lambda *a: None)
+        holder = model.__dict__[inference_norms._HOLDER]
+        with torch.no_grad():
+            inference_norms._prepare(model, holder)
+            try:
+                want = layer(x)
+            finally:
+                inference_norms._finish(holder)
+    assert torch.equal(got, want)
+    again, _ = _armed_call(model, layer, x)
+    assert plan_runs == [False, True] and torch.equal(again, want)
+
+
+def test_a_layer_with_a_bias_runs_through_its_plan_bitwise(plan_runs, monkeypatch):
+    import peft
+
+    clear_norm_cache()
+    torch.manual_seed(3)
+    base = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.ReLU(), torch.nn.Linear(24, 8))
+    m = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["0", "2"]))
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    enable(m)
+    m.eval()
+    x = torch.randn(5, 16)
+    torch.set_grad_enabled(False)
+    try:
+        first, second = m(x), m(x)
+        general = _general(monkeypatch, m, x, call=lambda m, x: m(x))
+    finally:
+        torch.set_grad_enabled(True)
+    assert plan_runs == [True, True]
+    assert torch.equal(first, second) and torch.equal(second, general)
+
+
+def test_plans_are_dropped_by_copies_and_keep_nothing_alive(model):
+    layer = _layer(model)
+    _armed_call(model, layer, torch.randn(1, 2, 32))
+    plans = layer.__dict__[peft_armed._PLANS]
+    assert "default" in plans
+    assert copy.deepcopy(layer).__dict__[peft_armed._PLANS] == {}
+    assert copy.copy(plans) == {} and pickle.loads(pickle.dumps(plans)) == {}
+    old_B = weakref.ref(layer.lora_B["default"].weight)
+    _replace_B(layer)
+    gc.collect()
+    assert old_B() is None  # the plan refers to it weakly
+    got, _ = _armed_call(model, layer, torch.randn(1, 2, 32))
+    assert got is not None  # a plan whose parameter is gone does not match; the full checks answer

@@ -1,0 +1,103 @@
+"""An armed layer's plan on a CUDA GPU (marked ``gpu``; skipped without CUDA): the compose
+launched directly (``compose_triton.InferCompose``) is bitwise Triton's own launch of the same
+kernel, and a PEFT model's armed forwards through their plans are bitwise the general path,
+also after the tensors a plan launched with moved (``integrations/peft_armed.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture
+def direct_launches(monkeypatch):
+    from doracheck.kernels import fast_launch
+
+    launches = []
+    real = fast_launch.run_entry
+
+    def counted(*args):
+        launches.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(fast_launch, "run_entry", counted)
+    fast_launch.clear()
+    yield launches
+    fast_launch.clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_infer_compose_launches_directly_and_is_bitwise_tritons_launch(dtype, with_bias, direct_launches):
+    from doracheck.kernels.compose_triton import InferCompose, lora_up_compose_triton
+
+    gen = torch.Generator().manual_seed(5)
+    d_out, r = 1031, 96
+    B = (torch.randn(d_out, r, generator=gen) / 10).to("cuda", dtype)
+    m = (1 + torch.randn(d_out, generator=gen) / 10).to("cuda", dtype)
+    n_safe = (1 + torch.rand(d_out, generator=gen)).to("cuda")
+    bias = torch.randn(d_out, generator=gen).to("cuda", dtype) if with_bias else None
+    plan = InferCompose(d_out, r, 2.0)
+    expected_direct = 0
+    for step, T in enumerate([7, 1, 1, 16, 1, 33, 7]):
+        base = torch.randn(1, T, d_out, generator=gen).to("cuda", dtype)
+        xa = torch.randn(1, T, r, generator=gen).to("cuda", dtype)
+        want = lora_up_compose_triton(base.clone().view(T, d_out), xa.view(T, r), B, m, 2.0, bias, base_has_bias=True,
+                                      n_safe=n_safe)
+        before = len(direct_launches)
+        plan(base, xa, T, B, m, bias, n_safe)
+        expected_direct += T in [7, 1, 1, 16, 1, 33, 7][:step]  # a token count seen before launches directly
+        assert len(direct_launches) - before == (T in [7, 1, 1, 16, 1, 33, 7][:step])
+        assert torch.equal(base.view(T, d_out), want)
+    assert len(direct_launches) == expected_direct == 3
+    # Misaligned (2 bytes past an aligned address): Triton specialises on alignment, so its own path.
+    spare = torch.empty(d_out + 8, device="cuda", dtype=dtype)
+    odd = spare[1:d_out + 1].view(1, 1, d_out)
+    odd.copy_(torch.randn(1, 1, d_out, generator=gen).to("cuda", dtype))
+    xa = torch.randn(1, 1, r, generator=gen).to("cuda", dtype)
+    want = lora_up_compose_triton(odd.clone().view(1, d_out), xa.view(1, r), B, m, 2.0, bias, base_has_bias=True,
+                                  n_safe=n_safe)
+    plan(odd, xa, 1, B, m, bias, n_safe)
+    assert len(direct_launches) == 3 and torch.equal(odd.view(1, d_out), want)
+
+
+def test_armed_decode_through_plans_is_bitwise_the_general_path_on_cuda(monkeypatch, direct_launches):
+    from peft_models import dora_model, tokens
+
+    from doracheck.integrations import peft as integration
+    from doracheck.integrations.peft import enable
+    from doracheck.norm_cache import clear_norm_cache
+
+    clear_norm_cache()
+    m = dora_model(0, dtype=torch.bfloat16).cuda().eval()
+    enable(m)
+
+    def decode(n_new: int):
+        """Greedy generation (prefill, then one token per step through the KV cache): the logits."""
+        ids = tokens(7, batch=1, length=9, device="cuda")
+        with torch.no_grad():
+            out = m.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        return torch.stack(out.logits)
+
+    got = decode(4)
+    assert len(direct_launches) >= 14 * 2  # from the third token on, every layer's compose launched directly
+    with monkeypatch.context() as patch:
+        patch.setattr(integration, "armed_forward", lambda *a: None)
+        want = decode(4)
+    assert torch.equal(got, want)
+    # B moved (a write through .data, the old tensor still alive and unchanged): a plan that kept
+    # the old address would read the old B. The model's next forward refreshes the norm buffers.
+    layer = m.base_model.model.model.layers[1].mlp.down_proj
+    B = layer.lora_B["default"].weight
+    old = B.data
+    B.data = old * 1.5
+    got_after = decode(3)
+    with monkeypatch.context() as patch:
+        patch.setattr(integration, "armed_forward", lambda *a: None)
+        want_after = decode(3)
+    assert torch.equal(got_after, want_after) and not torch.equal(got_after, got[:3])
+    del old
