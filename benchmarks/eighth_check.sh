@@ -8,6 +8,8 @@
 #                                (this checkout; _old: the library in .old/, another process)
 #   layerhost, layerhost_old     decode_layer_host.py: one layer's T = 1 call and its pieces
 #   abstep, abstep_old           ab_step.py: eager step + fused AdamW (GC), LoRA and doracheck in one process
+#   plan_tests                   only tests/test_decode_plan_gpu.py, plain and under memcheck
+#   profile_eager                profile_decode.py --eager --cprofile, PEFT LoRA and doracheck (one process each)
 # .old/ holds `git archive` of the commit to compare against (ignored by git, named in carry).
 set -u
 source benchmarks/gpu_common.sh
@@ -29,7 +31,15 @@ if [[ $PARTS == *,memcheck,* ]]; then
     "tests/test_kernels_gpu.py::test_kernels_bitwise_deterministic" \
     $(ls tests/test_decode_plan_gpu.py 2>/dev/null)
 fi
+if [[ $PARTS == *,plan_tests,* ]]; then
+  step plan_tests 120 $PY -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_decode_plan_gpu.py
+  step plan_memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_decode_plan_gpu.py
+fi
 cd benchmarks
+if [[ $PARTS == *,profile_eager,* ]]; then
+  step profile_eager_lora 120 $PY profile_decode.py --eager --cprofile --new-tokens 32 --impl peft_lora_bf16 --out "$R/profile_decode_eager_lora.txt"
+  step profile_eager_dc 120 $PY profile_decode.py --eager --cprofile --new-tokens 32 --impl doracheck_bf16 --out "$R/profile_decode_eager_dc.txt"
+fi
 if [[ $PARTS == *,compiled_ab,* ]]; then
   for i in 1 2; do
     step compiled_lora_$i 150 $PY bench_step.py --impl peft_lora_bf16 --mode decode_compiled --reps 10 --row-out "$R/decode_compiled_ab.csv"
@@ -53,6 +63,8 @@ if [[ $PARTS == *,verify,* ]]; then
   step verify 120 doracheck verify --quick
 fi
 check_summary
+tail -n 2 "$R/plan_tests.log" 2>/dev/null; grep -E "ERROR SUMMARY|passed|failed" "$R/plan_memcheck.log" 2>/dev/null | tail -n 2
+grep -h -E "^# |wall ms|profiled:|armed_forward|ArmedPlan|_checked_forward|InferCompose|function calls" "$R/profile_decode_eager_lora.txt" "$R/profile_decode_eager_dc.txt" 2>/dev/null | cut -c1-160 | head -n 30
 cut -d, -f1-6,9 "$R/decode_compiled_ab.csv" 2>/dev/null
 tail -n 4 "$R/decode_new.log" "$R/decode_old.log" "$R/abstep_new.log" "$R/abstep_old.log" 2>/dev/null
 head -n 19 "$R/decode_layer_host_new.txt" 2>/dev/null | tail -n 18

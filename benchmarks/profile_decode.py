@@ -17,6 +17,7 @@ import time
 
 import torch
 from bench_model import build
+from host_breakdown import cprofile_text
 from llama_model import add_llama_args
 from row_csv import print_report
 
@@ -28,6 +29,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--eager", action="store_true", help="the dynamic cache and no compile (eager decode)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cprofile", action="store_true", help="also cProfile one more generate (Python functions by own and "
+                    "cumulative time; host-bound eager decode)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     from torch._dynamo.utils import counters
@@ -59,6 +62,10 @@ def main(argv=None) -> int:
         model.generate(prompt, **kwargs)
         sync()
         lines.append(f"wall ms per token, unprofiled: {(time.perf_counter() - t0) * 1e3 / n:.3f}")
+        if args.cprofile:
+            lines.append(f"== cProfile of one generate of {n} tokens, by own time, then cumulative")
+            for sort in ("tottime", "cumtime"):
+                lines.append(cprofile_text(lambda: model.generate(prompt, **kwargs), 1, sync, sort, 45))
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             model.generate(prompt, **kwargs)
             sync()

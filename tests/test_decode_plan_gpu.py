@@ -31,8 +31,19 @@ def direct_launches(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_infer_compose_launches_directly_and_is_bitwise_tritons_launch(dtype, with_bias, direct_launches):
+def test_infer_compose_launches_directly_and_is_bitwise_tritons_launch(dtype, with_bias, direct_launches, monkeypatch):
+    """A token count seen before launches directly (no ``_compose``, Triton's or fast_launch's
+    argument handling); a new one, or a misaligned base, through ``_compose``. Bitwise
+    ``lora_up_compose_triton`` every time."""
+    from doracheck.kernels import compose_triton
     from doracheck.kernels.compose_triton import InferCompose, lora_up_compose_triton
+
+    general = []
+    real_compose = compose_triton._compose
+
+    def counted_compose(*args):
+        general.append(1)
+        return real_compose(*args)
 
     gen = torch.Generator().manual_seed(5)
     d_out, r = 1031, 96
@@ -41,27 +52,36 @@ def test_infer_compose_launches_directly_and_is_bitwise_tritons_launch(dtype, wi
     n_safe = (1 + torch.rand(d_out, generator=gen)).to("cuda")
     bias = torch.randn(d_out, generator=gen).to("cuda", dtype) if with_bias else None
     plan = InferCompose(d_out, r, 2.0)
-    expected_direct = 0
-    for step, T in enumerate([7, 1, 1, 16, 1, 33, 7]):
+    counts = [7, 1, 1, 16, 1, 33, 7]
+
+    def planned(base, xa, T):
+        """(calls of _compose, direct launches) made by the plan's call."""
+        before = len(general), len(direct_launches)
+        with monkeypatch.context() as patch:
+            patch.setattr(compose_triton, "_compose", counted_compose)
+            plan(base, xa, T, B, m, bias, n_safe)
+        return len(general) - before[0], len(direct_launches) - before[1]
+
+    for step, T in enumerate(counts):
         base = torch.randn(1, T, d_out, generator=gen).to("cuda", dtype)
         xa = torch.randn(1, T, r, generator=gen).to("cuda", dtype)
         want = lora_up_compose_triton(base.clone().view(T, d_out), xa.view(T, r), B, m, 2.0, bias, base_has_bias=True,
                                       n_safe=n_safe)
-        before = len(direct_launches)
-        plan(base, xa, T, B, m, bias, n_safe)
-        expected_direct += T in [7, 1, 1, 16, 1, 33, 7][:step]  # a token count seen before launches directly
-        assert len(direct_launches) - before == (T in [7, 1, 1, 16, 1, 33, 7][:step])
+        seen = T in counts[:step]
+        calls, direct = planned(base, xa, T)
+        assert calls == (0 if seen else 1)
+        if seen:
+            assert direct == 1
         assert torch.equal(base.view(T, d_out), want)
-    assert len(direct_launches) == expected_direct == 3
-    # Misaligned (2 bytes past an aligned address): Triton specialises on alignment, so its own path.
+    # Misaligned (2 bytes past an aligned address): Triton specialises on alignment, so not the kept kernel.
     spare = torch.empty(d_out + 8, device="cuda", dtype=dtype)
     odd = spare[1:d_out + 1].view(1, 1, d_out)
     odd.copy_(torch.randn(1, 1, d_out, generator=gen).to("cuda", dtype))
     xa = torch.randn(1, 1, r, generator=gen).to("cuda", dtype)
     want = lora_up_compose_triton(odd.clone().view(1, d_out), xa.view(1, r), B, m, 2.0, bias, base_has_bias=True,
                                   n_safe=n_safe)
-    plan(odd, xa, 1, B, m, bias, n_safe)
-    assert len(direct_launches) == 3 and torch.equal(odd.view(1, d_out), want)
+    assert planned(odd, xa, 1) == (1, 0)
+    assert torch.equal(odd.view(1, d_out), want)
 
 
 def test_armed_decode_through_plans_is_bitwise_the_general_path_on_cuda(monkeypatch, direct_launches):
