@@ -2,7 +2,9 @@
 by ±30% in host speed and eager decode is host-bound). Tokens per second, median over rounds;
 ``dc:env=NAME=VALUE`` sets an environment variable for that configuration (an A/B of a switch
 such as ``DORACHECK_NORM_GRAPHS``), and the script says whether doracheck's generated tokens are
-the same in every doracheck configuration. Not yet run on a GPU.
+the same in every doracheck configuration. ``flags=off`` runs a configuration with torch's cuBLAS
+16-bit reduction flags off for the whole process (doracheck then has nothing to switch around
+its GEMMs: an A/B of the switching itself).
 
     python benchmarks/decode_ab.py --new-tokens 64 --rounds 5 --csv out.csv
 """
@@ -52,12 +54,19 @@ def main(argv=None) -> int:
             name, value = c["env"].split("=", 1)
             original.setdefault(name, os.environ.get(name))
             os.environ[name] = value
-        with torch.no_grad():
-            t0 = time.perf_counter()
-            out = models[c["kind"]].generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-            if cuda:
-                torch.cuda.synchronize()
-            return out, (out.shape[1] - prompt.shape[1]) / (time.perf_counter() - t0)
+        matmul = torch.backends.cuda.matmul
+        flags = (matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction)
+        if c.get("flags") == "off":  # the process's cuBLAS 16-bit reduction off for this configuration's calls
+            matmul.allow_fp16_reduced_precision_reduction = matmul.allow_bf16_reduced_precision_reduction = False
+        try:
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                out = models[c["kind"]].generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+                if cuda:
+                    torch.cuda.synchronize()
+                return out, (out.shape[1] - prompt.shape[1]) / (time.perf_counter() - t0)
+        finally:
+            matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction = flags
 
     tokens, rates = {}, {name: [] for name, _ in configs}
     for name, c in configs:  # warm-up: Triton compiles, the norm graphs' first sightings and captures

@@ -8,6 +8,7 @@
 #                                (this checkout; _old: the library in .old/, another process)
 #   layerhost, layerhost_old     decode_layer_host.py: one layer's T = 1 call and its pieces
 #   abstep, abstep_old           ab_step.py: eager step + fused AdamW (GC), LoRA and doracheck in one process
+#   decode_flags                 decode_ab.py: LoRA and doracheck, each also with the process's cuBLAS reduction flags off
 #   plan_tests                   only tests/test_decode_plan_gpu.py, plain and under memcheck
 #   profile_eager                profile_decode.py --eager --cprofile, PEFT LoRA and doracheck (one process each)
 # .old/ holds `git archive` of the commit to compare against (ignored by git, named in carry).
@@ -50,6 +51,9 @@ if [[ $PARTS == *,decode,* ]]; then
   step decode_new 120 $PY decode_ab.py --new-tokens 64 --rounds 5 --csv "$R/decode_new.csv"
   [[ $PARTS == *,decode_old,* && -n ${OLD:-} ]] && step decode_old 120 $OLD $PY decode_ab.py --new-tokens 64 --rounds 5 --csv "$R/decode_old.csv"
 fi
+if [[ $PARTS == *,decode_flags,* ]]; then
+  step decode_flags 150 $PY decode_ab.py --new-tokens 64 --rounds 4 --configs "lora;dc;lora:flags=off;dc:flags=off" --csv "$R/decode_flags.csv"
+fi
 if [[ $PARTS == *,layerhost,* ]]; then
   step layerhost_new 90 $PY decode_layer_host.py --out "$R/decode_layer_host_new.txt"
   [[ $PARTS == *,layerhost_old,* && -n ${OLD:-} ]] && step layerhost_old 90 $OLD $PY decode_layer_host.py --out "$R/decode_layer_host_old.txt"
@@ -66,6 +70,7 @@ check_summary
 tail -n 2 "$R/plan_tests.log" 2>/dev/null; grep -E "ERROR SUMMARY|passed|failed" "$R/plan_memcheck.log" 2>/dev/null | tail -n 2
 grep -h -E "^# |wall ms|profiled:|armed_forward|ArmedPlan|_checked_forward|InferCompose|function calls" "$R/profile_decode_eager_lora.txt" "$R/profile_decode_eager_dc.txt" 2>/dev/null | cut -c1-160 | head -n 30
 cut -d, -f1-6,9 "$R/decode_compiled_ab.csv" 2>/dev/null
+tail -n 6 "$R/decode_flags.log" 2>/dev/null
 tail -n 4 "$R/decode_new.log" "$R/decode_old.log" "$R/abstep_new.log" "$R/abstep_old.log" 2>/dev/null
 head -n 19 "$R/decode_layer_host_new.txt" 2>/dev/null | tail -n 18
 head -n 19 "$R/decode_layer_host_old.txt" 2>/dev/null | tail -n 18
