@@ -16,6 +16,8 @@ dm is bitwise deterministic (no atomics).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -213,7 +215,8 @@ class InferCompose:
     ``fast_launch.Entry`` Triton chose for it; later calls of that T launch that entry directly
     with the same argument list, in which only the base and xa pointers differ, after the checks
     that make it the kernel Triton would choose for them: both pointers 16-byte aligned, on the
-    entry's device, which is the current one, Triton's hooks and settings as they were. So the
+    entry's device, Triton's hooks and settings as they were; launched on that device (made the
+    current one for the launch when it is not: ``ops.launch_device`` says why). So the
     output is bitwise the general launch's (the same compiled kernel, the same arguments).
 
     The caller guarantees, at every call: ``base`` contiguous with T·d_out elements and ``xa``
@@ -232,19 +235,24 @@ class InferCompose:
     def __call__(self, base: torch.Tensor, xa: torch.Tensor, T: int, lora_B: torch.Tensor, magnitude: torch.Tensor,
                  bias: torch.Tensor | None, n_safe: torch.Tensor) -> None:
         d, r = self.d_out, self.r
+        device = base.get_device()
         hit = self._by_T.get(T)
         if hit is not None:
             entry, grid = hit
-            if (not ((base.data_ptr() | xa.data_ptr()) & 15) and base.get_device() == entry.device == _current_device()
+            if (not ((base.data_ptr() | xa.data_ptr()) & 15) and device == entry.device
                     and fast_launch.direct_allowed(_lora_up_compose_kernel, entry)):
-                fast_launch.run_entry(entry, grid, (
-                    base, d, 1, base, d, 1, base, d, 1, base, d, 1, xa, r, 1,
-                    lora_B, lora_B.stride(0), lora_B.stride(1), magnitude, magnitude if bias is None else bias, n_safe,
-                    T, d, r, self.scaling,
-                ))
+                args = (base, d, 1, base, d, 1, base, d, 1, base, d, 1, xa, r, 1,
+                        lora_B, lora_B.stride(0), lora_B.stride(1), magnitude, magnitude if bias is None else bias, n_safe,
+                        T, d, r, self.scaling)
+                if device == _current_device():
+                    fast_launch.run_entry(entry, grid, args)
+                else:  # a layer on another GPU than the current one (accelerate's device_map): ops.launch_device says why
+                    with torch.cuda.device(device):
+                        fast_launch.run_entry(entry, grid, args)
                 return
         b2, x2 = base.view(T, d), xa.view(T, r)
-        _, entry, grid = _compose(b2, x2, lora_B, magnitude, self.scaling, bias, None, b2, None, True, n_safe)
+        with contextlib.nullcontext() if device < 0 or device == _current_device() else torch.cuda.device(device):
+            _, entry, grid = _compose(b2, x2, lora_B, magnitude, self.scaling, bias, None, b2, None, True, n_safe)
         if entry is not None and b2.stride() == (d, 1) and x2.stride() == (r, 1):  # the argument list above
             if len(self._by_T) >= self._MAX_T:
                 self._by_T.clear()

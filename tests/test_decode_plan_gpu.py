@@ -121,3 +121,28 @@ def test_armed_decode_through_plans_is_bitwise_the_general_path_on_cuda(monkeypa
         want_after = decode(3)
     assert torch.equal(got_after, want_after) and not torch.equal(got_after, got[:3])
     del old
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more GPUs")
+def test_a_plan_on_another_gpu_than_the_current_one_gives_the_same_bits(monkeypatch):
+    """An armed model on cuda:1 decoding while cuda:0 is current (accelerate's device_map leaves
+    the current device alone): its plans launch on cuda:1, bitwise as when cuda:1 is current."""
+    from peft_models import dora_model, tokens
+
+    from doracheck.integrations.peft import enable
+    from doracheck.norm_cache import clear_norm_cache
+
+    clear_norm_cache()
+    m = dora_model(0, dtype=torch.bfloat16).to("cuda:1").eval()
+    enable(m)
+    ids = tokens(7, batch=1, length=9, device="cuda:1")
+
+    def decode(current: int):
+        with torch.cuda.device(current), torch.no_grad():
+            out = m.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        torch.cuda.synchronize("cuda:1")
+        return torch.stack(out.logits)
+
+    on_1 = decode(1)
+    assert torch.equal(decode(0), on_1) and torch.equal(decode(0), on_1)  # the second through the kept plans
