@@ -4,7 +4,7 @@
 #   compiled_ab                  compiled decode (static KV cache, reduce-overhead), PEFT LoRA and this
 #                                checkout alternating, one process each: lora, dc, lora, dc (settles the
 #                                seventh session's 0.70x against 0.98x, which came from two hosts)
-#   decode, decode_old           eager decode, PEFT LoRA and doracheck interleaved in one process
+#   decode, decode_rep, decode_old  eager decode, PEFT LoRA and doracheck interleaved in one process
 #                                (this checkout; _old: the library in .old/, another process)
 #   layerhost, layerhost_old     decode_layer_host.py: one layer's T = 1 call and its pieces
 #   abstep, abstep_old           ab_step.py: eager step + fused AdamW (GC), LoRA and doracheck in one process
@@ -49,6 +49,7 @@ if [[ $PARTS == *,compiled_ab,* ]]; then
 fi
 if [[ $PARTS == *,decode,* ]]; then
   step decode_new 120 $PY decode_ab.py --new-tokens 64 --rounds 5 --csv "$R/decode_new.csv"
+  [[ $PARTS == *,decode_rep,* ]] && step decode_rep 120 $PY decode_ab.py --new-tokens 64 --rounds 5 --csv "$R/decode_rep.csv"
   [[ $PARTS == *,decode_old,* && -n ${OLD:-} ]] && step decode_old 120 $OLD $PY decode_ab.py --new-tokens 64 --rounds 5 --csv "$R/decode_old.csv"
 fi
 if [[ $PARTS == *,decode_flags,* ]]; then
@@ -71,6 +72,7 @@ tail -n 2 "$R/plan_tests.log" 2>/dev/null; grep -E "ERROR SUMMARY|passed|failed"
 grep -h -E "^# |wall ms|profiled:|armed_forward|ArmedPlan|_checked_forward|InferCompose|function calls" "$R/profile_decode_eager_lora.txt" "$R/profile_decode_eager_dc.txt" 2>/dev/null | cut -c1-160 | head -n 30
 cut -d, -f1-6,9 "$R/decode_compiled_ab.csv" 2>/dev/null
 tail -n 6 "$R/decode_flags.log" 2>/dev/null
+tail -n 4 "$R/decode_rep.log" 2>/dev/null
 tail -n 4 "$R/decode_new.log" "$R/decode_old.log" "$R/abstep_new.log" "$R/abstep_old.log" 2>/dev/null
 head -n 19 "$R/decode_layer_host_new.txt" 2>/dev/null | tail -n 18
 head -n 19 "$R/decode_layer_host_old.txt" 2>/dev/null | tail -n 18

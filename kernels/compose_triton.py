@@ -220,7 +220,7 @@ class InferCompose:
     output is bitwise the general launch's (the same compiled kernel, the same arguments).
 
     The caller guarantees, at every call: ``base`` contiguous with T·d_out elements and ``xa``
-    contiguous with T·r, both of B's dtype family as at the first call, and B, m, b, n_safe the
+    (T, r) contiguous (as ``x2 @ A.t()`` returns it), both of B's dtype family as at the first call, and B, m, b, n_safe the
     very tensors (address, shape, strides, dtype) of the first call (``integrations.peft_armed``
     checks that). No tensor is kept here: the plan holds none of the layer's memory."""
 

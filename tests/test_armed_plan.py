@@ -236,3 +236,94 @@ def test_plans_are_dropped_by_copies_and_keep_nothing_alive(model):
     assert old_B() is None  # the plan refers to it weakly
     got, _ = _armed_call(model, layer, torch.randn(1, 2, 32))
     assert got is not None  # a plan whose parameter is gone does not match; the full checks answer
+
+
+# --- under the Triton path (the interpreter on the CPU: conftest sets TRITON_INTERPRET=1) -----------
+
+triton_path = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter runs (the GPU file covers CUDA)")
+
+
+@triton_path
+def test_a_plan_follows_the_path_dispatch_chooses_at_each_call(model, plan_runs, monkeypatch):
+    """``use_path`` (and DORACHECK_PATH) decide the backend per call: a plan kept under one path
+    is not used under another (it was, before a review found it: the output differed)."""
+    pytest.importorskip("triton")
+    from doracheck.dispatch import use_path
+
+    layer = _layer(model)
+    x = torch.randn(2, 3, 32)
+    with use_path("triton"):
+        _armed_call(model, layer, x)
+        on_triton, _ = _armed_call(model, layer, x)
+    assert plan_runs == [True] and layer.__dict__[peft_armed._PLANS]["default"].backend.name == "triton"
+    on_torch, _ = _armed_call(model, layer, x)
+    assert plan_runs == [True, False] and layer.__dict__[peft_armed._PLANS]["default"].backend.name == "torch"
+    holder = model.__dict__[inference_norms._HOLDER]
+    with torch.no_grad():
+        inference_norms._prepare(model, holder)
+        try:
+            with monkeypatch.context() as patch:
+                patch.setattr(integration, "armed_forward", lambda *a: None)
+                general_torch = layer(x)
+                with use_path("triton"):
+                    general_triton = layer(x)
+        finally:
+            inference_norms._finish(holder)
+    assert torch.equal(on_torch, general_torch) and torch.equal(on_triton, general_triton)
+
+
+@triton_path
+def test_a_plan_multiplies_x_as_the_general_path_does_whatever_its_strides(model):
+    """x·Aᵀ is one mm on x.reshape(-1, d_in) in both paths, for x whose strides do not flatten too
+    (the last position of a longer sequence, ``h[:, -1:, :]``; a transposed batch). A review noted
+    that ``F.linear`` on such a 3-D x takes matmul's batched path (bmm) with grad mode on; without
+    it (where plans run) matmul folds to the same mm, and the plan now reshapes as the general path
+    does, so the two issue the same GEMM by construction."""
+    pytest.importorskip("triton")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from doracheck.dispatch import backend_for, use_path
+    from doracheck.forward import compose_armed
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.gemms: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func.overloadpacket) in ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm"):
+                self.gemms.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    layer = _layer(model)
+    holder = model.__dict__[inference_norms._HOLDER]
+    for x in (torch.randn(1, 9, 32)[:, -1:, :], torch.randn(3, 2, 32).transpose(0, 1)):
+        with use_path("triton"), torch.no_grad():
+            inference_norms._prepare(model, holder)
+            try:
+                peft_armed.armed_forward(layer, "default", x, layer.base_layer(x), {})  # keeps the plan
+                plan = layer.__dict__[peft_armed._PLANS]["default"]
+                result, general = layer.base_layer(x), layer.base_layer(x)
+                with Ops() as by_plan:
+                    got = plan.run(layer, "default", x, result, {})
+                with Ops() as by_general:
+                    want = compose_armed(general, x, layer.lora_A["default"].weight, layer.lora_B["default"].weight,
+                                         layer.lora_magnitude_vector["default"].weight, layer.base_layer.bias, plan.scaling,
+                                         inference_norms.norm_buffer(layer, "default"), backend_for(x))
+            finally:
+                inference_norms._finish(holder)
+        assert got is not None and torch.equal(got, want)
+        assert by_plan.gemms == by_general.gemms == ["aten.mm"]
+
+
+@triton_path
+def test_infer_compose_of_a_layer_with_no_outputs_does_nothing_every_call():
+    """d_out = 0 (a review found the second call raising)."""
+    pytest.importorskip("triton")
+    from doracheck.kernels.compose_triton import InferCompose
+
+    plan = InferCompose(0, 4, 2.0)
+    base, xa = torch.empty(1, 5, 0), torch.randn(5, 4)
+    for _ in range(3):
+        plan(base, xa, 5, torch.empty(0, 4), torch.empty(0), None, torch.empty(0))
+    assert base.shape == (1, 5, 0)

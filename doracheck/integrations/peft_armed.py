@@ -12,7 +12,8 @@ those two launches.
 ``armed_forward`` first tries the layer's ``ArmedPlan`` for the adapter: what the full checks
 found on an earlier call, kept with weak references, and checked again in a few reads per call
 (the same objects in the same places, B, m, b and the norm buffer at the same address with the
-same shape, strides and dtype, the same s, and the per-call conditions below). Where it holds,
+same shape, strides and dtype, the same s, the same backend as ``dispatch`` chooses now, and the
+per-call conditions below). Where it holds,
 x·Aᵀ and the compose (``compose_triton.InferCompose``: Triton's compiled kernel launched
 directly) run with nothing else. Anything else goes through the full checks
 (``_checked_forward``): they answer None for the general path where the call is unusual, and
@@ -79,8 +80,8 @@ class ArmedPlan:
     runs x·Aᵀ and the compose directly. Weak references only: a replaced module or parameter is
     freed at once, and a plan whose objects are gone never matches."""
 
-    __slots__ = ("refs", "sigs", "lora_A_shape", "scaling", "buffer", "names", "dtype", "device", "d_in", "d_out", "r",
-                 "compose", "backend")
+    __slots__ = ("refs", "sigs", "lora_A_shape", "scaling", "buffer", "names", "dtype", "device", "device_type", "d_in",
+                 "d_out", "r", "compose", "backend")
 
     def __init__(self, module, base_layer, A_mod, B_mod, m_mod, dropout, weight, lora_A, lora_B, magnitude, bias, scaling,
                  n_safe, names, backend):
@@ -93,6 +94,7 @@ class ArmedPlan:
         self.lora_A_shape, self.scaling = lora_A.shape, scaling
         self.buffer, self.names = ref(n_safe), names
         self.dtype, self.device = lora_A.dtype, lora_A.get_device()  # x's and result's dtype too (checked when kept)
+        self.device_type = lora_A.device.type
         self.d_out, self.r = lora_B.shape
         self.d_in = lora_A.shape[1]
         self.backend = backend
@@ -135,20 +137,20 @@ class ArmedPlan:
         d_in, d_out = self.d_in, self.d_out
         if (x.dtype != self.dtype or result.dtype != self.dtype or x.get_device() != self.device or x.shape[-1] != d_in
                 or result.shape[-1] != d_out or result.shape[:-1] != x.shape[:-1] or not result.is_contiguous()
-                or torch.is_autocast_enabled(x.device.type) or tracing()):
+                or torch.is_autocast_enabled(self.device_type) or tracing()
+                or dispatch.backend_for(x, lora_B, magnitude, bias) is not self.backend):  # use_path / DORACHECK_PATH
             return None
         compose = self.compose
         if compose is None:  # the torch twin: the general inference compose, as the full checks run it
-            with our_numerics(x.device.type):
+            with our_numerics(self.device_type):
                 return compose_armed(result, x, lora_A, lora_B, magnitude, bias, self.scaling, n_safe, self.backend)
+        x2 = x.reshape(-1, d_in)  # as the general path: a view, or the same copy where x's strides do not flatten
         _flags_enter()  # x·Aᵀ with fp32 reduction (numerics.our_numerics, without autocast: checked above)
         try:
-            xa = F.linear(x, lora_A)  # the very GEMM of x2 @ A.t() (ATen's linear without bias is that matmul)
+            xa = F.linear(x2, lora_A)  # the very GEMM of x2 @ A.t() (ATen's 2-D linear without bias is that mm)
         finally:
             _flags_exit()
-        if not xa.is_contiguous():
-            return None
-        compose(result, xa, result.numel() // d_out if d_out else 0, lora_B, magnitude, bias, n_safe)
+        compose(result, xa, x2.shape[0], lora_B, magnitude, bias, n_safe)
         return result
 
 
@@ -184,9 +186,13 @@ def _checked_forward(module: nn.Module, adapter: str, x: torch.Tensor, result: t
         y = compose_armed(result, x, lora_A, lora_B, magnitude, bias, scaling, n_safe, backend)
     if (scalings[adapter] == scaling and lora_A.dtype == x.dtype and magnitude.stride(0) == 1
             and (bias is None or bias.is_contiguous())):  # as the general path passes them, without a copy
+        try:
+            plan = ArmedPlan(module, base_layer, A_mod, B_mod, m_mod, dropout, weight, lora_A, lora_B, magnitude, bias, scaling,
+                             n_safe, module.__dict__.get(inference_norms._NAMES), backend)
+        except RuntimeError:  # a tensor without storage (a wrapper subclass) has no address to keep: no plan
+            return y
         plans = module.__dict__.get(_PLANS)
         if plans is None:
             plans = module.__dict__[_PLANS] = _Plans()
-        plans[adapter] = ArmedPlan(module, base_layer, A_mod, B_mod, m_mod, dropout, weight, lora_A, lora_B, magnitude, bias,
-                                   scaling, n_safe, module.__dict__.get(inference_norms._NAMES), backend)
+        plans[adapter] = plan
     return y
