@@ -31,11 +31,16 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cprofile", action="store_true", help="also cProfile one more generate (Python functions by own and "
                     "cumulative time; host-bound eager decode)")
+    ap.add_argument("--graph-logs", action="store_true", help="log Inductor's CUDA-graph decisions, perf hints and "
+                    "recompiles to stderr (compiled decode measured in two modes, about 288 and 358-410 tok/s: "
+                    "a skipped or re-recorded graph would show there)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
 
+    if args.graph_logs:
+        torch._logging.set_logs(cudagraphs=True, perf_hints=True, recompiles=True)
     model = build(args.impl, args, checkpointing=False).eval()
 
     def sync():
