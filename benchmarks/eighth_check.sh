@@ -9,6 +9,8 @@
 #   layerhost, layerhost_old     decode_layer_host.py: one layer's T = 1 call and its pieces
 #   abstep, abstep_old           ab_step.py: eager step + fused AdamW (GC), LoRA and doracheck in one process
 #   decode_flags                 decode_ab.py: LoRA and doracheck, each also with the process's cuBLAS reduction flags off
+#   compiled_diag                compiled decode in two modes (about 288 and 358-410 tok/s): profile_decode.py
+#                                --graph-logs, doracheck in three processes and LoRA in one, Inductor's logs kept
 #   plan_tests                   only tests/test_decode_plan_gpu.py, plain and under memcheck
 #   profile_eager                profile_decode.py --eager --cprofile, PEFT LoRA and doracheck (one process each)
 # .old/ holds `git archive` of the commit to compare against (ignored by git, named in carry).
@@ -40,6 +42,13 @@ cd benchmarks
 if [[ $PARTS == *,profile_eager,* ]]; then
   step profile_eager_lora 120 $PY profile_decode.py --eager --cprofile --new-tokens 32 --impl peft_lora_bf16 --out "$R/profile_decode_eager_lora.txt"
   step profile_eager_dc 120 $PY profile_decode.py --eager --cprofile --new-tokens 32 --impl doracheck_bf16 --out "$R/profile_decode_eager_dc.txt"
+fi
+if [[ $PARTS == *,compiled_diag,* ]]; then
+  for i in 1 2 3; do
+    step compiled_diag_dc_$i 150 $PY profile_decode.py --graph-logs --new-tokens 32 --impl doracheck_bf16 --out "$R/profile_decode_compiled_dc_$i.txt"
+  done
+  step compiled_diag_lora 150 $PY profile_decode.py --graph-logs --new-tokens 32 --impl peft_lora_bf16 --out "$R/profile_decode_compiled_lora.txt"
+  grep -h "wall ms per token" "$R"/profile_decode_compiled_*.txt
 fi
 if [[ $PARTS == *,compiled_ab,* ]]; then
   for i in 1 2; do
