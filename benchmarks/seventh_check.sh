@@ -20,12 +20,7 @@ if [[ $PARTS == *,tests,* ]]; then
 fi
 if [[ $PARTS == *,memcheck,* ]]; then
   step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m pytest -m gpu -q -p no:cacheprovider \
-    "tests/test_kernels_gpu.py::test_forward_backward_within_budget[(1031, 4099, 384, 16)-bfloat16-bfloat16]" \
-    "tests/test_kernels_gpu.py::test_forward_backward_within_budget[(65, 1031, 17, 15)-float16-float16]" \
-    "tests/test_kernels_gpu.py::test_small_t_inference_forward_is_bitwise_the_training_forward[bfloat16-float32-(17, 4099, 8, 7)]" \
-    "tests/test_kernels_gpu.py::test_inference_is_capturable_in_a_cuda_graph_and_replays_the_parameters_of_the_moment[False]" \
-    "tests/test_kernels_gpu.py::test_fast_launch_reuses_tritons_kernel_and_is_bitwise_its_launch" \
-    "tests/test_kernels_gpu.py::test_kernels_bitwise_deterministic"
+    "${MEMCHECK_IDS[@]}"
 fi
 cd benchmarks
 if [[ $PARTS == *,compiled,* || $PARTS == *,compiled_pair,* ]]; then

@@ -57,3 +57,15 @@ def cosine(a, b):
 def trainable(model):
     """(name, parameter) of every trainable parameter, in a stable order."""
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def enabled_dora_model(seed: int = 0, **kwargs):
+    """``dora_model`` routed through doracheck (``enable``, norm buffers on) in eval mode, with
+    the process's norm cache emptied first, as the inference-norm and armed-plan tests start."""
+    from doracheck.integrations.peft import enable
+    from doracheck.norm_cache import clear_norm_cache
+
+    clear_norm_cache()
+    model = dora_model(seed, **kwargs)
+    enable(model)
+    return model.eval()

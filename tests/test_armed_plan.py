@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("peft")
 
-from peft_models import dora_model, tokens  # noqa: E402
+from peft_models import enabled_dora_model, tokens  # noqa: E402
 
 from doracheck import inference_norms  # noqa: E402
 from doracheck.integrations import peft as integration  # noqa: E402
@@ -31,11 +31,7 @@ from doracheck.norm_cache import clear_norm_cache  # noqa: E402
 
 @pytest.fixture
 def model():
-    clear_norm_cache()
-    m = dora_model(0)
-    enable(m)
-    m.eval()
-    return m
+    return enabled_dora_model(0)
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("peft")
 
-from peft_models import dora_model, tokens  # noqa: E402
+from peft_models import dora_model, enabled_dora_model, tokens  # noqa: E402
 
 from doracheck import forward as forward_pass  # noqa: E402
 from doracheck import inference_norms  # noqa: E402
@@ -23,11 +23,7 @@ from doracheck.norm_cache import clear_norm_cache  # noqa: E402
 
 @pytest.fixture
 def model():
-    clear_norm_cache()
-    m = dora_model(0)
-    enable(m)
-    m.eval()
-    return m
+    return enabled_dora_model(0)
 
 
 @pytest.fixture
