@@ -21,9 +21,30 @@ from .kernels.tracing import tracing
 from .layer_state import SAVED_TENSORS, LayerArgs, Need, Saved
 from .numerics import autocast_dtype, our_numerics
 
+_PARAM_NAMES = ("weight", "lora_A", "lora_B", "magnitude", "bias")
+
 
 def _save(ctx, saved: Saved, a: LayerArgs, lead: tuple) -> None:
-    ctx.save_for_backward(*saved[:SAVED_TENSORS], a.weight, a.lora_A, a.lora_B, a.magnitude, a.bias)
+    """Keep ``saved`` and the parameters for the backward.
+
+    Only the activations go through ``save_for_backward`` (so through saved-tensor hooks, such
+    as activation checkpointing's, three Python calls per tensor and step). In eager the
+    parameters ride on the ctx with their version counters, checked by ``_restore`` as autograd
+    checks saved tensors: parameters are alive anyway, and a hook would only pack, recompute
+    and unpack them again (10 hook-packed tensors per call before, 5 now). While torch.compile
+    traces, everything goes through ``save_for_backward``, the form it supports. ``n_safe`` is
+    kept only for the exact-norm backward, the one that reads it."""
+    tensors = tuple(saved[:SAVED_TENSORS])
+    if a.detach_norm:
+        tensors = tensors[:6] + (None,) + tensors[7:]
+    params = (a.weight, a.lora_A, a.lora_B, a.magnitude, a.bias)
+    if tracing():
+        ctx.save_for_backward(*tensors, *params)
+        ctx.params = None
+    else:
+        ctx.save_for_backward(*tensors)
+        ctx.params = params
+        ctx.param_versions = tuple(None if t is None else t._version for t in params)
     ctx.flags = saved.flags()
     ctx.settings = (a.scaling, a.fan_in_fan_out, a.dropout_p, a.detach_norm)
     ctx.lead = lead
@@ -31,7 +52,18 @@ def _save(ctx, saved: Saved, a: LayerArgs, lead: tuple) -> None:
 
 def _restore(ctx) -> tuple[Saved, LayerArgs]:
     tensors = ctx.saved_tensors
-    return Saved.rebuild(tensors, ctx.flags), LayerArgs(*tensors[SAVED_TENSORS:], *ctx.settings)
+    params = ctx.params
+    if params is None:
+        params = tensors[SAVED_TENSORS:]
+    else:
+        for name, t, version in zip(_PARAM_NAMES, params, ctx.param_versions):
+            if t is not None and t._version != version:
+                raise RuntimeError(
+                    f"{name}: modified by an inplace operation between the DoRA forward and its backward (version "
+                    f"{t._version}, expected {version}), so the gradient would be wrong; clone it before modifying it, "
+                    "or modify it after the backward"
+                )
+    return Saved.rebuild(tensors, ctx.flags), LayerArgs(*params, *ctx.settings)
 
 
 def _records(*tensors: torch.Tensor | None) -> bool:

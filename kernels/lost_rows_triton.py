@@ -19,8 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fast_launch
 from .constants import EPS
-from .triton_common import launcher
+from .tracing import tracing
+from .triton_common import interpreting, launcher
 
 BLOCK_T = 32
 BLOCK_K = 64
@@ -82,7 +84,8 @@ def dm_lost_rows_triton(
     T, d_out = dy.shape
     if T == 0 or d_out == 0:
         return result
-    launcher(_dm_lost_rows_kernel)[(d_out,)](
+    traced = tracing()
+    args = (
         result,
         dy, dy.stride(0), dy.stride(1),
         x, x.stride(0), x.stride(1),
@@ -91,6 +94,10 @@ def dm_lost_rows_triton(
         lora_B, lora_B.stride(0), lora_B.stride(1),
         g, n,
         T, x.shape[1], xa.shape[1], float(scaling), EPS,
-        BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K,
     )
+    constexprs = dict(BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K)
+    if traced or interpreting():
+        launcher(_dm_lost_rows_kernel, traced)[(d_out,)](*args, **constexprs)
+    else:  # eager on a GPU: once per layer and training step (kernels/fast_launch.py)
+        fast_launch.launch(_dm_lost_rows_kernel, (d_out,), args, constexprs, {})
     return result

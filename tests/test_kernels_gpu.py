@@ -363,3 +363,44 @@ def test_fast_launch_reuses_tritons_kernel_and_is_bitwise_its_launch(t):
         del kernel.run
         fast_launch.clear()
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]) and torch.equal(outs[0], out_odd)
+
+
+def test_lost_rows_fast_launch_is_bitwise_tritons_launch_and_skips_its_binder():
+    """The lost-rows pass (once per layer and training step) launches through fast_launch like
+    the compose and dz/dm kernels: after the first call Triton's binder is skipped, and the
+    result is bitwise Triton's own launch (features with m = 0 recomputed, the others kept)."""
+    from doracheck.kernels import fast_launch, lost_rows_triton
+
+    gen = torch.Generator().manual_seed(3)
+    T, d_in, d_out, r = 37, 96, 131, 16
+    dy = torch.randn(T, d_out, generator=gen).to("cuda", torch.bfloat16)
+    x = torch.randn(T, d_in, generator=gen).to("cuda", torch.bfloat16)
+    W = (torch.randn(d_out, d_in, generator=gen) / 10).to("cuda", torch.bfloat16)
+    xa = torch.randn(T, r, generator=gen).to("cuda", torch.bfloat16)
+    B = (torch.randn(d_out, r, generator=gen) / 10).to("cuda", torch.bfloat16)
+    g = (1 + torch.randn(d_out, generator=gen) / 10).to("cuda")
+    g[::7] = 0.0  # lost features: m = 0 with n >= eps
+    n = (1 + torch.rand(d_out, generator=gen)).to("cuda")
+    dm = torch.full((d_out,), float("nan"), device="cuda")
+    kernel = lost_rows_triton._dm_lost_rows_kernel
+    reference = dm.clone()
+    kernel[(d_out,)](reference, dy, *dy.stride(), x, *x.stride(), W, *W.stride(), xa, *xa.stride(), B, *B.stride(), g, n,
+                     T, d_in, r, 2.0, 1e-12, BLOCK_T=lost_rows_triton.BLOCK_T, BLOCK_K=lost_rows_triton.BLOCK_K)
+    runs = []
+    real_run = kernel.run
+
+    def counted(*a, **kw):
+        runs.append(1)
+        return real_run(*a, **kw)
+
+    fast_launch.clear()
+    kernel.run = counted
+    try:
+        outs = [lost_rows_triton.dm_lost_rows_triton(dm, dy, x, W, xa, B, g, n, 2.0) for _ in range(3)]
+        assert len(runs) == 1  # the first launch only
+    finally:
+        del kernel.run
+        fast_launch.clear()
+    assert torch.isfinite(outs[0][::7]).all() and torch.isnan(outs[0][1::7]).all()
+    for out in outs:  # NaN where not lost (dm came in NaN there): compared as a marker value
+        assert torch.equal(torch.nan_to_num(out, nan=7.0), torch.nan_to_num(reference, nan=7.0))

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Issue 17, ninth session: the training step's host time. Parts (comma-separated):
+#   tests, memcheck, verify      the GPU tests, compute-sanitizer memcheck on the kernel cases, verify --quick
+#   profile                      profile_model_step.py (torch.profiler, eager GC + fused AdamW), LoRA and doracheck
+#   cprofile                     host_cprofile_step.py: cProfile of doracheck's model step
+#   abstep, abstep_old           ab_step.py: eager step + fused AdamW (GC), LoRA and doracheck in one process
+#                                (this checkout; _old: the library in .old/), alternating new, old, new, old
+#   decode                       decode_ab.py: eager decode, LoRA and doracheck interleaved in one process
+# .old/ holds `git archive` of the commit to compare against (ignored by git, named in carry).
+set -u
+source benchmarks/gpu_common.sh
+export CUDA_VISIBLE_DEVICES=0
+PARTS=",${1:-tests,memcheck,verify},"
+install_old
+GPU_TESTS="tests/test_norm_graphs.py tests/test_kernels_gpu.py tests/test_training_loops.py tests/test_autocast.py tests/test_zero_magnitude.py tests/test_inference_norms.py tests/test_compile_fullgraph.py tests/test_decode_plan_gpu.py tests/test_train_plan_gpu.py"
+if [[ $PARTS == *,tests,* ]]; then
+  # shellcheck disable=SC2086
+  step gpu_tests 260 $PY -m pytest -m gpu -q -n 4 -p no:cacheprovider -rs $(ls $GPU_TESTS 2>/dev/null)
+fi
+if [[ $PARTS == *,memcheck,* ]]; then
+  step memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m pytest -m gpu -q -p no:cacheprovider \
+    "${MEMCHECK_IDS[@]}" \
+    $(ls tests/test_decode_plan_gpu.py tests/test_train_plan_gpu.py 2>/dev/null)
+fi
+cd benchmarks
+if [[ $PARTS == *,profile,* ]]; then
+  step profile 200 $PY profile_model_step.py --impls peft_lora_bf16,doracheck_bf16 --mode eager_gc --steps 3 --json-out "$R/profile_step.json"
+fi
+if [[ $PARTS == *,cprofile,* ]]; then
+  step cprofile 150 $PY host_cprofile_step.py --impl doracheck_bf16 --steps 4
+fi
+if [[ $PARTS == *,abstep,* ]]; then
+  for i in 1 2; do
+    step abstep_new_$i 150 $PY ab_step.py --rounds 5 --steps 4 --csv "$R/ab_step_new_$i.csv" --configs "lora;dc"
+    [[ $PARTS == *,abstep_old,* && -n ${OLD:-} ]] && step abstep_old_$i 150 $OLD $PY ab_step.py --rounds 5 --steps 4 --csv "$R/ab_step_old_$i.csv" --configs "lora;dc"
+  done
+fi
+if [[ $PARTS == *,decode,* ]]; then
+  step decode_new 120 $PY decode_ab.py --new-tokens 64 --rounds 5 --csv "$R/decode_new.csv"
+fi
+cd ..
+if [[ $PARTS == *,verify,* ]]; then
+  step verify 120 doracheck verify --quick
+fi
+check_summary
+grep -A 13 "^== " "$R/profile.log" 2>/dev/null | cut -c1-150 | head -n 32
+grep -E "per step under cProfile" "$R/cprofile.log" 2>/dev/null
+for f in "$R"/abstep_*.log; do [[ -f $f ]] && { echo "$(basename "$f")"; tail -n 3 "$f"; }; done
+tail -n 4 "$R/decode_new.log" 2>/dev/null
+finish
