@@ -3,6 +3,7 @@
 #   tests, memcheck, verify      the GPU tests, compute-sanitizer memcheck on the kernel cases, verify --quick
 #   profile                      profile_model_step.py (torch.profiler, eager GC + fused AdamW), LoRA and doracheck
 #   cprofile                     host_cprofile_step.py: cProfile of doracheck's model step
+#   gaps                         step_gaps.py: where the GPU waits for the host in the step, LoRA and doracheck
 #   abstep, abstep_old           ab_step.py: eager step + fused AdamW (GC), LoRA and doracheck in one process
 #                                (this checkout; _old: the library in .old/), alternating new, old, new, old
 #   decode                       decode_ab.py: eager decode, LoRA and doracheck interleaved in one process
@@ -29,6 +30,9 @@ fi
 if [[ $PARTS == *,cprofile,* ]]; then
   step cprofile 150 $PY host_cprofile_step.py --impl doracheck_bf16 --steps 4
 fi
+if [[ $PARTS == *,gaps,* ]]; then
+  step gaps 240 $PY step_gaps.py --impls peft_lora_bf16,doracheck_bf16 --steps 2 --json-out "$R/step_gaps.json"
+fi
 if [[ $PARTS == *,abstep,* ]]; then
   for i in 1 2; do
     step abstep_new_$i 150 $PY ab_step.py --rounds 5 --steps 4 --csv "$R/ab_step_new_$i.csv" --configs "lora;dc"
@@ -45,6 +49,7 @@ fi
 check_summary
 grep -A 13 "^== " "$R/profile.log" 2>/dev/null | cut -c1-150 | head -n 32
 grep -E "per step under cProfile" "$R/cprofile.log" 2>/dev/null
+grep -v -E "^(DEBUG|WARNING|INFO)" "$R/gaps.log" 2>/dev/null | cut -c1-170 | tail -n 40
 for f in "$R"/abstep_*.log; do [[ -f $f ]] && { echo "$(basename "$f")"; tail -n 3 "$f"; }; done
 tail -n 4 "$R/decode_new.log" 2>/dev/null
 finish
