@@ -73,7 +73,7 @@ class _Stacks:
         for tid, raw in by_tid.items():
             ops = [(s, s - neg, n) for s, neg, n in sorted(raw)]  # outer first at equal starts
             parents, stack = [], []
-            for i, (s, e, _) in enumerate(ops):
+            for i, (s, _e, _) in enumerate(ops):
                 while stack and ops[stack[-1]][1] < s:
                     stack.pop()
                 parents.append(stack[-1] if stack else -1)

@@ -198,8 +198,9 @@ def _chunk(p: _Pass, t0: int, t1: int) -> None:
     keep_c = None if keep_rows is None else keep_rows.to(dy_c.dtype) / (1.0 - a.dropout_p)
     h = sv.h  # z, z_d or the output: every training forward keeps one
     assert h is not None
+    # Unreduced where ``_dm`` finishes dm in one pass (the partials summed there, in order)
     dz, dm_c = sv.backend.grad_scale_dm(dy_c, h[t0:t1] if ch else h, sv.g, sv.n, a.bias, sv.from_output, a.detach_norm,
-                                        not ch)
+                                        not ch and not _finished_in_one_pass(p))
     if ch:  # kept and summed once after the pass, in order (deterministic, two host ops fewer a chunk)
         p.dm_parts.append(dm_c)
         if sum(part.shape[0] for part in p.dm_parts) * sv.g.shape[0] * 4 > _DM_PARTS_BYTES:  # fold, in order
@@ -233,9 +234,23 @@ def _chunk(p: _Pass, t0: int, t1: int) -> None:
         p.dW_rows = part if p.dW_rows is None else p.dW_rows.add_(part)
 
 
+def _finished_in_one_pass(p: _Pass) -> bool:
+    """Whether dm is formed by the backend's ``dm_finish`` straight from the dz/dm pass's partials
+    (the detached norm, z read from the output: the common training call). One launch then sums
+    the partials, recomputes the lost features and rounds to m's dtype: three host operations
+    fewer a layer (a sum, the lost-row launch, the cast) on the host-bound step."""
+    T, d_out = p.dy2.shape
+    return p.a.detach_norm and p.saved.from_output and p.need.dm and T > 0 and d_out > 0
+
+
 def _dm(p: _Pass) -> tuple[Any, Any]:
-    """(dm in fp32 or None, Σ dy⊙z as the exact-norm terms need it or None)."""
+    """(dm in m's dtype or fp32, or None; Σ dy⊙z as the exact-norm terms need it or None)."""
     sv, a = p.saved, p.a
+    T, d_out = p.dy2.shape
+    if _finished_in_one_pass(p):
+        parts = (torch.cat(p.dm_parts) if len(p.dm_parts) > 1 else p.dm_parts[0]) if p.dm_parts else p.dm_sum
+        xa_all = p.xa if p.xa is not None else sv.x2 @ p.A.t()  # from the output means no dropout: x_d = x
+        return sv.backend.dm_finish(parts, p.dy2, sv.x2, p.W, xa_all, p.B, sv.g, sv.n, a.scaling, a.magnitude.dtype), None
     if p.dm_parts:
         p.dm_sum = torch.cat(p.dm_parts).sum(0) if len(p.dm_parts) > 1 else p.dm_parts[0].sum(0)
     raw = None
@@ -245,11 +260,10 @@ def _dm(p: _Pass) -> tuple[Any, Any]:
         raw = p.dm_sum.to(p.acc)  # Σ dy⊙(g⊙z) from the output, Σ dy⊙z otherwise
         p.dm_sum = _sum_of_z(raw, sv.g, sv.n, sv.from_output)
         dm = p.dm_sum / sv.n_safe if p.need.dm else None
-    T, d_out = p.dy2.shape
     if dm is not None and sv.from_output and T > 0 and d_out > 0:
         # Where m = 0 (g = 0, n >= eps) the output holds no z: those features are recomputed.
         xa_all = p.xa if p.xa is not None else sv.x2 @ p.A.t()  # from the output means no dropout: x_d = x
-        dm = sv.backend.dm_lost_rows(dm, p.dy2, sv.x2, p.W, xa_all, p.B, sv.g, sv.n, a.scaling)
+        dm = sv.backend.dm_finish(dm[None], p.dy2, sv.x2, p.W, xa_all, p.B, sv.g, sv.n, a.scaling, dm.dtype)
     return dm, raw
 
 

@@ -8,13 +8,14 @@ The folder ``kernels/`` is installed as ``doracheck.kernels`` (``package-dir`` i
 layout and the import picture are in docs/design.md section 5).
 """
 
-from .compose_torch import compose_torch, dm_lost_rows_torch, grad_scale_dm_torch
+from .compose_torch import compose_torch, dm_finish_torch, dm_lost_rows_torch, grad_scale_dm_torch
 from .norm_torch import FactoredNorm, combine_terms, factored_norm_torch, norm_chunk, norm_memory_bound
 
 __all__ = [
     "FactoredNorm",
     "combine_terms",
     "compose_torch",
+    "dm_finish_torch",
     "dm_lost_rows_torch",
     "factored_norm_torch",
     "norm_chunk",

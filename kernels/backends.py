@@ -17,9 +17,10 @@ Ops (``cd``: the compute dtype of ``base``; ``g`` = m / max(n, eps) in fp32; ``s
   itself and ``from_output`` True (g⊙z = y, so no T×d_out buffer is kept).
 - ``compose_dropout(base, base_dropped, xa, lora_B, g, bias, s) -> (y, z_d)``.
 - ``grad_scale_dm(dy, h, g, n, bias, from_output, final_dm, reduce) -> (dz, dm partials)``.
-- ``dm_lost_rows(dm, dy, x, weight_rows, xa, lora_B, g, n, s) -> dm`` with the features whose z
-  the saved output lost recomputed (may write into ``dm``).
-Ops that may write into ``base`` or ``dm`` in eager return the tensor to use; callers use it.
+- ``dm_finish(parts, dy, x, weight_rows, xa, lora_B, g, n, s, out_dtype) -> dm``: the (P, d_out)
+  fp32 partial sums added in order, the features whose z the saved output lost recomputed,
+  rounded once to ``out_dtype``.
+Ops that may write into ``base`` in eager return the tensor to use; callers use it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .compose_torch import (
-    dm_lost_rows_torch,
+    dm_finish_torch,
     grad_scale_dm_torch,
     lora_up_compose_dropout_torch,
     lora_up_compose_torch,
@@ -46,7 +47,7 @@ class Backend(NamedTuple):
     compose_saving: Callable[..., tuple[torch.Tensor, torch.Tensor, bool]]
     compose_dropout: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     grad_scale_dm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    dm_lost_rows: Callable[..., torch.Tensor]
+    dm_finish: Callable[..., torch.Tensor]
 
 
 # --- the torch twins -----------------------------------------------------------------------
@@ -78,7 +79,7 @@ TORCH = Backend(
     compose_saving=_compose_saving_torch,
     compose_dropout=lora_up_compose_dropout_torch,
     grad_scale_dm=_grad_scale_dm_torch,
-    dm_lost_rows=dm_lost_rows_torch,
+    dm_finish=dm_finish_torch,
 )
 
 
@@ -123,10 +124,10 @@ def _build_triton_backend() -> Backend:
     def grad_scale_dm(dy, h, g, n, bias, from_output, final_dm, reduce):
         return ops.call("grad_scale_dm", dy, h, g, n, bias, from_output, final_dm, reduce)
 
-    def dm_lost_rows(*args: Any) -> torch.Tensor:
-        return ops.call("dm_lost_rows_", *args)
+    def dm_finish(*args: Any) -> torch.Tensor:
+        return ops.call("dm_finish", *args)
 
     def compose_infer(*args: Any) -> torch.Tensor:
         return ops.compose_infer_(*args)
 
-    return Backend("triton", norm, compose_infer, compose_saving, compose_dropout, grad_scale_dm, dm_lost_rows)
+    return Backend("triton", norm, compose_infer, compose_saving, compose_dropout, grad_scale_dm, dm_finish)

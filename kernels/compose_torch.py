@@ -136,7 +136,7 @@ def dm_lost_rows_torch(
     dm: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, weight_rows: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor,
     g: torch.Tensor, n: torch.Tensor, scaling: float, *, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The torch twin of ``lost_rows_triton.dm_lost_rows_triton``: dm_i = Σ_t dy_ti·z_ti /
+    """The lost-feature part of ``lost_rows_triton.dm_finish_triton``: dm_i = Σ_t dy_ti·z_ti /
     max(n_i, eps) recomputed from x, W, xa, B where g_i = 0 and n_i >= eps (z_i is not
     recoverable from the output there); other entries unchanged."""
     acc = accumulation_dtype(dy, g)
@@ -147,3 +147,17 @@ def dm_lost_rows_torch(
     z = x.to(acc) @ weight_rows[lost].to(acc).t() + float(scaling) * (xa.to(acc) @ lora_B[lost].to(acc).t())
     result[lost] = ((dy[:, lost].to(acc) * z).sum(0) / n[lost].to(acc).clamp_min(EPS)).to(result.dtype)
     return result
+
+
+def dm_finish_torch(
+    parts: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, weight_rows: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor,
+    g: torch.Tensor, n: torch.Tensor, scaling: float, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The torch twin of ``lost_rows_triton.dm_finish_triton``: the rows of ``parts`` (P, d_out)
+    summed in order (as the kernel adds them), the lost features (g = 0, n >= eps) recomputed
+    (``dm_lost_rows_torch``), rounded once to ``out_dtype``."""
+    dm = parts[0].clone() if parts.shape[0] else parts.new_zeros(parts.shape[1])
+    for row in parts[1:]:
+        dm += row
+    return dm_lost_rows_torch(dm, dy, x, weight_rows, xa, lora_B, g, n, scaling).to(out_dtype)
+

@@ -25,8 +25,9 @@ Ops (namespace ``doracheck``):
   z = base + s·lora (with ``base_has_bias`` base is x·Wᵀ + b, as a PEFT base layer returns it)
 - ``lora_up_compose_dropout(base, base_dropped, xa, lora_B, g, bias?, scaling) -> (y, z_d)``
 - ``grad_scale_dm(dy, saved, g, n, bias?, from_output, final_dm, reduce) -> (dz, dm_sum or dm, or their partials)``
-- ``dm_lost_rows(dm, dy, x, weight_rows, xa, lora_B, g, n, scaling) -> dm`` with the features whose
-  z the saved output lost (g = 0, n >= eps) recomputed (``dm_lost_rows_`` in eager: in place)
+- ``dm_finish(parts, dy, x, weight_rows, xa, lora_B, g, n, scaling, out_dtype) -> dm``: the partial
+  sums added up, the features whose z the saved output lost (g = 0, n >= eps) recomputed, in
+  ``out_dtype``
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from torch.library import triton_op
 
 from .compose_torch import magnitude_scale
 from .compose_triton import grad_scale_dm_triton, lora_up_compose_triton
-from .lost_rows_triton import dm_lost_rows_triton
+from .lost_rows_triton import dm_finish_triton
 from .norm_graphs import graphed_norm
 from .norm_triton import factored_norm_triton, gram_triton, terms_from_gram
 from .triton_common import tracing
@@ -124,19 +125,11 @@ def _grad_scale_dm(
     return grad_scale_dm_triton(dy, saved, g, n, bias, from_output=from_output, final_dm=final_dm, reduce=reduce)
 
 
-def _dm_lost_rows_(
-    dm: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, weight_rows: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor,
-    g: torch.Tensor, n: torch.Tensor, scaling: float,
+def _dm_finish(
+    parts: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, weight_rows: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor,
+    g: torch.Tensor, n: torch.Tensor, scaling: float, out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Eager only: the lost features written in place into ``dm``, which is returned."""
-    return dm_lost_rows_triton(dm, dy, x, weight_rows, xa, lora_B, g, n, scaling, out=dm)
-
-
-def _dm_lost_rows(
-    dm: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, weight_rows: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor,
-    g: torch.Tensor, n: torch.Tensor, scaling: float,
-) -> torch.Tensor:
-    return dm_lost_rows_triton(dm, dy, x, weight_rows, xa, lora_B, g, n, scaling)
+    return dm_finish_triton(parts, dy, x, weight_rows, xa, lora_B, g, n, scaling, out_dtype)
 
 
 def launch_device(args) -> int | None:
@@ -183,7 +176,7 @@ lora_up_compose_save_z_op = triton_op("doracheck::lora_up_compose_save_z", _guar
 lora_up_compose_dropout_op = triton_op("doracheck::lora_up_compose_dropout", _guarded(_lora_up_compose_dropout),
                                        mutates_args=())
 grad_scale_dm_op = triton_op("doracheck::grad_scale_dm", _guarded(_grad_scale_dm), mutates_args=())
-dm_lost_rows_op = triton_op("doracheck::dm_lost_rows", _guarded(_dm_lost_rows), mutates_args=())
+dm_finish_op = triton_op("doracheck::dm_finish", _guarded(_dm_finish), mutates_args=())
 
 _EAGER: dict[str, Callable[..., Any]] = {
     "factored_norm": _factored_norm_eager,
@@ -191,12 +184,12 @@ _EAGER: dict[str, Callable[..., Any]] = {
     "lora_up_compose_save_z_": _lora_up_compose_save_z_,
     "lora_up_compose_dropout": _lora_up_compose_dropout,
     "grad_scale_dm": _grad_scale_dm,
-    "dm_lost_rows_": _dm_lost_rows_,
+    "dm_finish": _dm_finish,
 }
 
 
 _TRACED = {
-    "lora_up_compose_": "lora_up_compose", "lora_up_compose_save_z_": "lora_up_compose_save_z", "dm_lost_rows_": "dm_lost_rows",
+    "lora_up_compose_": "lora_up_compose", "lora_up_compose_save_z_": "lora_up_compose_save_z",
 }
 
 

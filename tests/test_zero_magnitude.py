@@ -105,32 +105,75 @@ def test_torch_twin_recomputes_only_lost_features():
     assert torch.equal(got[keep], args[0][keep])
 
 
+def _partials(dm: torch.Tensor, parts: int = 3) -> torch.Tensor:
+    """dm split into ``parts`` fp32 partial rows whose in-order sum is dm exactly (the lost
+    features NaN in every row, as the dz/dm pass leaves them)."""
+    rows = torch.zeros(parts, dm.shape[0])
+    rows[0] = dm
+    rows[:, dm.isnan()] = float("nan")
+    return rows
+
+
+def _finish_checks(finish, args, out_dtype, tol):
+    dm, rest = args[0], args[1:]
+    got = finish(_partials(dm).to(dm.device), *rest, 1.5, out_dtype)
+    expected = _expected(*[t.cpu() for t in args], 1.5)
+    assert got.dtype == out_dtype
+    assert rel_l2(got.double().cpu(), expected) <= tol
+    keep = [i for i in range(11) if i not in (1, 6)]
+    assert torch.equal(got[keep].cpu(), dm[keep].to(out_dtype).cpu())  # summed and rounded, nothing recomputed there
+    assert torch.equal(got, finish(_partials(dm).to(dm.device), *rest, 1.5, out_dtype))  # deterministic
+    return got
+
+
 @pytest.mark.interpreter
 @pytest.mark.skipif(not INTERPRETER, reason="the interpreter run (the GPU test below covers CUDA)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lost_rows_kernel_matches_its_twin_under_the_interpreter(dtype):
-    from doracheck.kernels.lost_rows_triton import dm_lost_rows_triton
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_dm_finish_kernel_matches_its_twin_under_the_interpreter(dtype, out_dtype):
+    """The partials summed in order, the lost features recomputed, rounded once: bitwise the
+    torch twin (the same fp32 additions in the same order) where nothing is recomputed."""
+    from doracheck.kernels import dm_finish_torch
+    from doracheck.kernels.lost_rows_triton import dm_finish_triton
 
     args = _kernel_inputs(dtype=dtype)
-    got = dm_lost_rows_triton(*args, 1.5)
-    twin = dm_lost_rows_torch(*args, 1.5)
-    assert rel_l2(got, twin) <= 1e-6
-    keep = [i for i in range(11) if i not in (1, 6)]
-    assert torch.equal(got[keep], args[0][keep])  # untouched where not lost
-    same = dm_lost_rows_triton(*args, 1.5)
-    assert torch.equal(got, same)  # deterministic
+    got = _finish_checks(dm_finish_triton, args, out_dtype, 1e-2 if out_dtype == torch.bfloat16 else 1e-6)
+    twin = _finish_checks(dm_finish_torch, args, out_dtype, 1e-2 if out_dtype == torch.bfloat16 else 1e-6)
+    assert rel_l2(got.double(), twin.double()) <= (1e-2 if out_dtype == torch.bfloat16 else 1e-6)
+
+
+def test_dm_finish_sums_many_partials_in_order():
+    """Each feature's partials are added in row order in fp32: the twin's sum of 40 rows is
+    bitwise a plain loop's (so the kernel, which adds them the same way, is checked against it)."""
+    from doracheck.kernels import dm_finish_torch
+
+    gen = torch.Generator().manual_seed(4)
+    parts = torch.randn(40, 11, generator=gen)
+    dm, dy, x, W, xa, B, g, n = _kernel_inputs()
+    g = g.clone()
+    g[g == 0] = 1.0  # no lost feature: the sum alone
+    loop = torch.zeros(11)
+    for row in parts:
+        loop += row
+    assert torch.equal(dm_finish_torch(parts, dy, x, W, xa, B, g, n, 1.5, torch.float32), loop)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lost_rows_kernel_on_the_gpu(dtype):
-    from doracheck.kernels.lost_rows_triton import dm_lost_rows_triton
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_dm_finish_kernel_on_the_gpu(dtype, out_dtype):
+    from doracheck.kernels import dm_finish_torch
+    from doracheck.kernels.lost_rows_triton import dm_finish_triton
 
     args = [t.cuda() for t in _kernel_inputs(T=700, d_in=1500, dtype=dtype)]
-    got = dm_lost_rows_triton(*args, 1.5)
-    twin = dm_lost_rows_torch(*args, 1.5)
-    assert rel_l2(got, twin) <= 1e-5
-    assert torch.equal(got, dm_lost_rows_triton(*args, 1.5))
+    got = _finish_checks(dm_finish_triton, args, out_dtype, 1e-2 if out_dtype == torch.bfloat16 else 1e-5)
+    twin = dm_finish_torch(_partials(args[0]).cuda(), *args[1:], 1.5, out_dtype)
+    assert rel_l2(got.double(), twin.double()) <= (1e-2 if out_dtype == torch.bfloat16 else 1e-5)
+    parts = torch.randn(70, 11, device="cuda")  # many partials: bitwise the twin's in-order sum where nothing is lost
+    g = args[6].clone()
+    g[g == 0] = 1.0
+    assert torch.equal(dm_finish_triton(parts, *args[1:6], g, args[7], 1.5, torch.float32),
+                       dm_finish_torch(parts, *args[1:6], g, args[7], 1.5, torch.float32))
 
 
 @pytest.mark.parametrize("path", PATHS)
