@@ -57,23 +57,33 @@ def norm_with_floor(backend: Backend, weight, lora_A, lora_B, scaling: float, fa
 
 
 def norm_and_scale(backend: Backend, a: LayerArgs, *, need_g: bool, recording: bool):
-    """(FactoredNorm, g = m / max(n, eps) or None, max(n, eps)). The norm and max(n, eps) may
-    come from the norm cache (``norm_cache.lookup_or_compute`` says when); g is recomputed
-    each call (one small kernel), because the magnitude is a trained parameter that tools also
-    write through ``.data`` (gradcheck does), which no version counter sees. ``need_g=False``:
-    the compose divides m by max(n, eps) itself. ``recording``: autograd records this forward."""
+    """(FactoredNorm, g = m / max(n, eps) or None, max(n, eps)). The norm, max(n, eps) and g may
+    come from the norm cache (``norm_cache.lookup_or_compute`` says when; the magnitude is part
+    of its key, so a stored g is only read for the same m, same version). In practice a stored
+    g is read by the activation-checkpoint recompute inside a backward, which saves the host one
+    op per layer and step; anything else that reads a stored norm recomputes g if it wants it
+    and the entry has none. ``need_g=False``: the compose divides m by max(n, eps) itself.
+    ``recording``: autograd records this forward."""
 
     def compute(need_factors: bool):
         return norm_with_floor(backend, a.weight, a.lora_A, a.lora_B, a.scaling, a.fan_in_fan_out, need_factors)
 
-    if a.detach_norm:  # U, G are not needed: the cache keeps the four d_out vectors and n_safe
-        fn, n_safe = norm_cache.lookup_or_compute(
-            a.weight, a.lora_A, a.lora_B, a.scaling, a.fan_in_fan_out,
-            lambda: (lambda fn_ns: (fn_ns[0]._replace(U=None, G=None), fn_ns[1]))(compute(False)), tag=backend.name,
-            recording=recording,
+    if a.detach_norm:  # U, G are not needed: the cache keeps the four d_out vectors, n_safe and g
+
+        def compute_stored():
+            fn, n_safe = compute(False)
+            return fn._replace(U=None, G=None), n_safe, magnitude_scale(a.magnitude, n_safe) if need_g else None
+
+        fn, n_safe, g = norm_cache.lookup_or_compute(
+            a.weight, a.lora_A, a.lora_B, a.scaling, a.fan_in_fan_out, compute_stored, tag=backend.name,
+            recording=recording, magnitude=a.magnitude,
         )
-    else:  # U and G are needed; not worth caching (training-only mode)
-        fn, n_safe = compute(True)
+        if not need_g:
+            g = None
+        elif g is None:
+            g = magnitude_scale(a.magnitude, n_safe)
+        return fn, g, n_safe
+    fn, n_safe = compute(True)  # U and G are needed; not worth caching (training-only mode)
     return fn, (magnitude_scale(a.magnitude, n_safe) if need_g else None), n_safe
 
 

@@ -365,14 +365,16 @@ def test_fast_launch_reuses_tritons_kernel_and_is_bitwise_its_launch(t):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]) and torch.equal(outs[0], out_odd)
 
 
-def test_lost_rows_fast_launch_is_bitwise_tritons_launch_and_skips_its_binder():
-    """The lost-rows pass (once per layer and training step) launches through fast_launch like
-    the compose and dz/dm kernels: after the first call Triton's binder is skipped, and the
-    result is bitwise Triton's own launch (features with m = 0 recomputed, the others kept)."""
+def test_dm_finish_fast_launch_is_bitwise_tritons_launch_and_skips_its_binder():
+    """The dm pass (once per layer and training step) launches through fast_launch like the
+    compose and dz/dm kernels: after the first call Triton's binder is skipped, and the result
+    is bitwise Triton's own launch (the partials summed, features with m = 0 recomputed)."""
+    import triton
+
     from doracheck.kernels import fast_launch, lost_rows_triton
 
     gen = torch.Generator().manual_seed(3)
-    T, d_in, d_out, r = 37, 96, 131, 16
+    T, d_in, d_out, r, P = 37, 96, 300, 16, 5
     dy = torch.randn(T, d_out, generator=gen).to("cuda", torch.bfloat16)
     x = torch.randn(T, d_in, generator=gen).to("cuda", torch.bfloat16)
     W = (torch.randn(d_out, d_in, generator=gen) / 10).to("cuda", torch.bfloat16)
@@ -381,11 +383,14 @@ def test_lost_rows_fast_launch_is_bitwise_tritons_launch_and_skips_its_binder():
     g = (1 + torch.randn(d_out, generator=gen) / 10).to("cuda")
     g[::7] = 0.0  # lost features: m = 0 with n >= eps
     n = (1 + torch.rand(d_out, generator=gen)).to("cuda")
-    dm = torch.full((d_out,), float("nan"), device="cuda")
-    kernel = lost_rows_triton._dm_lost_rows_kernel
-    reference = dm.clone()
-    kernel[(d_out,)](reference, dy, *dy.stride(), x, *x.stride(), W, *W.stride(), xa, *xa.stride(), B, *B.stride(), g, n,
-                     T, d_in, r, 2.0, 1e-12, BLOCK_T=lost_rows_triton.BLOCK_T, BLOCK_K=lost_rows_triton.BLOCK_K)
+    parts = torch.randn(P, d_out, generator=gen).to("cuda")
+    parts[:, ::7] = float("nan")
+    kernel = lost_rows_triton._dm_finish_kernel
+    reference = torch.empty(d_out, device="cuda", dtype=torch.bfloat16)
+    grid = (triton.cdiv(d_out, lost_rows_triton.BLOCK_D),)
+    kernel[grid](reference, parts, parts.stride(0), dy, *dy.stride(), x, *x.stride(), W, *W.stride(), xa, *xa.stride(),
+                 B, *B.stride(), g, n, P, T, d_in, r, d_out, 2.0, 1e-12, INTERPRET=False,
+                 BLOCK_D=lost_rows_triton.BLOCK_D, BLOCK_T=lost_rows_triton.BLOCK_T, BLOCK_K=lost_rows_triton.BLOCK_K)
     runs = []
     real_run = kernel.run
 
@@ -396,11 +401,11 @@ def test_lost_rows_fast_launch_is_bitwise_tritons_launch_and_skips_its_binder():
     fast_launch.clear()
     kernel.run = counted
     try:
-        outs = [lost_rows_triton.dm_lost_rows_triton(dm, dy, x, W, xa, B, g, n, 2.0) for _ in range(3)]
+        outs = [lost_rows_triton.dm_finish_triton(parts, dy, x, W, xa, B, g, n, 2.0, torch.bfloat16) for _ in range(3)]
         assert len(runs) == 1  # the first launch only
     finally:
         del kernel.run
         fast_launch.clear()
-    assert torch.isfinite(outs[0][::7]).all() and torch.isnan(outs[0][1::7]).all()
-    for out in outs:  # NaN where not lost (dm came in NaN there): compared as a marker value
-        assert torch.equal(torch.nan_to_num(out, nan=7.0), torch.nan_to_num(reference, nan=7.0))
+    assert torch.isfinite(outs[0]).all()  # every lost feature recomputed
+    for out in outs:
+        assert torch.equal(out, reference)

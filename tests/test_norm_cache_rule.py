@@ -151,3 +151,50 @@ def test_no_reuse_between_a_backward_and_the_next_step():
     with torch.no_grad():
         y = call(x, W, A, B, m)
     assert rel_l2(y, fresh_output(x, W, A, B, m)) <= 1e-6
+
+
+class _CountDivisions(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.divisions = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ == "div":
+            self.divisions += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_checkpoint_recompute_reuses_its_forwards_g_too():
+    """g = m / max(n, eps) is stored with the norm (m is in the key): the recompute inside the
+    backward divides nothing, and the gradients are bitwise those without checkpointing."""
+    import torch.utils._python_dispatch  # noqa: F401  (the mode's base class)
+
+    W, A, B, m = params(seed=3)
+    x = torch.randn(4, 10, requires_grad=True)
+    plain_counter, counter = _CountDivisions(), _CountDivisions()
+    y = call(x, W, A, B, m)
+    with plain_counter:
+        plain = torch.autograd.grad(y.square().sum(), (x, A, B, m))
+    y = checkpoint.checkpoint(call, x, W, A, B, m, use_reentrant=False)
+    with counter:
+        grads = torch.autograd.grad(y.square().sum(), (x, A, B, m))  # runs the recompute
+    assert counter.divisions == plain_counter.divisions  # the backward's own; none in the recompute
+    for a, b in zip(plain, grads):
+        assert torch.equal(a, b)
+
+
+def test_a_stored_g_is_not_read_for_another_magnitude():
+    """The magnitude's identity and version are part of the key: after m changes in place (its
+    version moves), the recompute of a new forward forms g from the new m."""
+    W, A, B, m = params(seed=4)
+    x = torch.randn(4, 10)
+    checkpoint.checkpoint(call, x, W, A, B, m, use_reentrant=False).sum().backward()
+    with torch.no_grad():
+        m.mul_(0.5)
+    m.grad = None
+    y = checkpoint.checkpoint(call, x, W, A, B, m, use_reentrant=False)
+    y.square().sum().backward()
+    m_fresh = m.detach().clone().requires_grad_()
+    call(x, W, A, B, m_fresh).square().sum().backward()
+    assert torch.equal(m.grad, m_fresh.grad)
+    assert rel_l2(y.detach().double(), fresh_output(x, W, A, B, m)) <= 1e-6
