@@ -14,7 +14,7 @@ What is kept for the backward (``Saved``; the caller's x is referenced, not copi
 - without dropout and bias, where the backend allows it: the output y itself (g⊙z = y; the
   next layer usually holds it anyway) and xa (T×r), so no T×d_out tensor is added (saving z
   would add 64 MiB at T = 4096, d_out = 8192 in bf16, for no speed gain); where m_i = 0 the
-  backward recomputes those features (``dm_lost_rows``);
+  backward recomputes those features (``dm_finish``);
 - with a bias, z (recovering z from y - b loses digits in proportion to |b|/|g·z|, which the
   baseline-ratio property caught in fp16);
 - with dropout, z_d = base_d + s·lora and the bool keep-mask (x_d is recomputed from x and it).
