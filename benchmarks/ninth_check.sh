@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 17, ninth session: the training step's host time. Parts (comma-separated):
 #   tests, memcheck, verify      the GPU tests, compute-sanitizer memcheck on the kernel cases, verify --quick
+#   retest                       the GPU tests a fix was made for (zero-magnitude, compile)
 #   profile                      profile_model_step.py (torch.profiler, eager GC + fused AdamW), LoRA and doracheck
 #   cprofile                     host_cprofile_step.py: cProfile of doracheck's model step
 #   gaps                         step_gaps.py: where the GPU waits for the host in the step, LoRA and doracheck
@@ -17,6 +18,10 @@ GPU_TESTS="tests/test_norm_graphs.py tests/test_kernels_gpu.py tests/test_traini
 if [[ $PARTS == *,tests,* ]]; then
   # shellcheck disable=SC2086
   step gpu_tests 260 $PY -m pytest -m gpu -q -n 4 -p no:cacheprovider -rs $(ls $GPU_TESTS 2>/dev/null)
+fi
+if [[ $PARTS == *,retest,* ]]; then  # the tests that failed in the previous call, after their fix
+  step retest 200 $PY -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_zero_magnitude.py \
+    "tests/test_kernels_gpu.py::test_torch_compile_fullgraph_within_the_oracle_budget" tests/test_compile_fullgraph.py
 fi
 if [[ $PARTS == *,memcheck,* ]]; then
   step memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m pytest -m gpu -q -p no:cacheprovider \
@@ -47,6 +52,7 @@ if [[ $PARTS == *,verify,* ]]; then
   step verify 120 doracheck verify --quick
 fi
 check_summary
+grep -v DEBUG "$R/retest.log" 2>/dev/null | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 5
 grep -A 13 "^== " "$R/profile.log" 2>/dev/null | cut -c1-150 | head -n 32
 grep -E "per step under cProfile" "$R/cprofile.log" 2>/dev/null
 grep -v -E "^(DEBUG|WARNING|INFO)" "$R/gaps.log" 2>/dev/null | cut -c1-170 | tail -n 40

@@ -50,6 +50,7 @@ def _dm_finish_kernel(
     g_i = 0 and n_i >= eps; rounded once to dm's dtype."""
     pid = tl.program_id(0).to(tl.int64)
     s = tl.cast(scaling, tl.float32)
+    eps = tl.cast(eps, tl.float32)  # Inductor passes fp64 scalars: dm must stay fp32 through the loop
     jj = tl.arange(0, BLOCK_D)
     cols = pid * BLOCK_D + jj
     ok = cols < d_out
