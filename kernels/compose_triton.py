@@ -26,7 +26,7 @@ from . import fast_launch
 from .constants import EPS
 from .settings import compose_config, grad_config
 from .tracing import tracing
-from .triton_common import dot_acc, interpreting, launcher, round_to
+from .triton_common import cdiv, dot_acc, interpreting, launcher, round_to
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -178,7 +178,7 @@ def _compose(base, xa, lora_B, g, scaling, bias, base_dropped, out, z_out, base_
         return y, None, None
     cfg = compose_config(T, d_out, r)
     dot_dtype = _TL_DTYPE[xa.dtype]
-    grid = (triton.cdiv(T, cfg.block_m) * triton.cdiv(d_out, cfg.block_n),)
+    grid = (cdiv(T, cfg.block_m) * cdiv(d_out, cfg.block_n),)
     traced = tracing()
     bd = base_dropped if base_dropped is not None else _unused_pointer(base, traced)
     z = z_out if z_out is not None else _unused_pointer(y, traced)
@@ -274,12 +274,12 @@ def grad_scale_dm_triton(
     T, d_out = dy.shape
     dz = torch.empty_like(dy)
     cfg = grad_config(T, d_out)
-    n_tb = triton.cdiv(T, cfg.block_t) if T else 0
+    n_tb = cdiv(T, cfg.block_t) if T else 0
     if n_tb == 0 or d_out == 0:
         zeros = torch.zeros(d_out, dtype=torch.float32, device=dy.device)
         return dz, zeros if reduce else zeros[None, :]
     part = torch.empty(n_tb, d_out, dtype=torch.float32, device=dy.device)
-    grid = (n_tb, triton.cdiv(d_out, cfg.block_d))
+    grid = (n_tb, cdiv(d_out, cfg.block_d))
     traced = tracing()
     args = (
         dz, dz.stride(0), dz.stride(1),

@@ -26,7 +26,7 @@ import triton.language as tl
 from . import fast_launch
 from .constants import EPS
 from .tracing import tracing
-from .triton_common import interpreting, launcher, round_to
+from .triton_common import cdiv, interpreting, launcher, round_to
 
 BLOCK_T = 32
 BLOCK_K = 64
@@ -123,7 +123,7 @@ def dm_finish_triton(
         P, dy.shape[0], x.shape[1], xa.shape[1], d_out, float(scaling), EPS,
     )
     constexprs = dict(INTERPRET=interpreting(), BLOCK_D=BLOCK_D, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K)
-    grid = (triton.cdiv(d_out, BLOCK_D),)
+    grid = (cdiv(d_out, BLOCK_D),)
     if traced or interpreting():
         launcher(_dm_finish_kernel, traced)[grid](*args, **constexprs)
     else:  # eager on a GPU: once per layer and training step (kernels/fast_launch.py)

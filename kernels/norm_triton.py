@@ -38,7 +38,7 @@ import triton.language as tl
 
 from .norm_torch import FactoredNorm
 from .settings import gram_config, rowdot_config
-from .triton_common import dot_acc, interpreting, launcher
+from .triton_common import cdiv, dot_acc, interpreting, launcher
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -247,12 +247,12 @@ def gram_triton(lora_A: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     r, d_in = lora_A.shape
     dot_dtype, split_lo, precision = _dot_setup(lora_A.dtype, lora_A.dtype)
     cfg = gram_config(r, d_in)
-    k_per_split = triton.cdiv(triton.cdiv(max(d_in, 1), cfg.splits), cfg.block_k) * cfg.block_k
-    splits = max(1, triton.cdiv(d_in, k_per_split))
+    k_per_split = cdiv(cdiv(max(d_in, 1), cfg.splits), cfg.block_k) * cfg.block_k
+    splits = max(1, cdiv(d_in, k_per_split))
     part = torch.empty(splits, r, r, dtype=torch.float32, device=lora_A.device)
     if d_in == 0:
         return part.zero_()[0] if out is None else out.zero_()
-    grid = (triton.cdiv(r, cfg.block_i), triton.cdiv(r, cfg.block_i), splits)
+    grid = (cdiv(r, cfg.block_i), cdiv(r, cfg.block_i), splits)
     launcher(_gram_kernel)[grid](
         part, part.stride(0), part.stride(1), part.stride(2),
         lora_A, lora_A.stride(0), lora_A.stride(1),
@@ -284,16 +284,16 @@ def rowdot_parts(
     dot_dtype, split_lo, precision = _dot_setup(X.dtype, Y.dtype, pieces)
     cfg = rowdot_config(M, N, K, X.dtype, split_lo)
     n_sub = cfg.n_sub if split_lo == 1 else 1
-    n_tiles = triton.cdiv(N, cfg.block_n * n_sub) if N else 1
-    k_per_split = triton.cdiv(triton.cdiv(max(K, 1), cfg.split_k), cfg.block_k) * cfg.block_k
-    splits = max(1, triton.cdiv(K, k_per_split))
+    n_tiles = cdiv(N, cfg.block_n * n_sub) if N else 1
+    k_per_split = cdiv(cdiv(max(K, 1), cfg.split_k), cfg.block_k) * cfg.block_k
+    splits = max(1, cdiv(K, k_per_split))
     launch = M > 0 and N > 0
     # Every partial (and sq) is written by the kernel; zeros only when nothing is launched.
     alloc = torch.empty if launch else torch.zeros
     part = alloc(splits * n_tiles * n_sub, M, dtype=torch.float32, device=X.device)
     sq = alloc(splits, M, dtype=torch.float32, device=X.device) if compute_base else None
     if launch:
-        grid = (triton.cdiv(M, cfg.block_m), n_tiles, splits)
+        grid = (cdiv(M, cfg.block_m), n_tiles, splits)
         # Without the base term the kernel never writes sq_ptr, but it still gets a buffer of its
         # own: passing ``part`` twice (two pointer arguments aliasing one tensor) made Inductor
         # return a lora term of zeros under torch.compile (benchmarks/compile_diag.py, H200,
@@ -320,7 +320,7 @@ def norm_finish(cross_part: torch.Tensor, sq: torch.Tensor, lora_part: torch.Ten
     terms = torch.empty(4, M, dtype=torch.float32, device=sq.device)
     if M:
         block = 1024 if not interpreting() else 32
-        launcher(_norm_finish_kernel)[(triton.cdiv(M, block),)](
+        launcher(_norm_finish_kernel)[(cdiv(M, block),)](
             terms, terms.stride(0),
             cross_part, cross_part.stride(0), cross_part.shape[0],
             sq, sq.stride(0), sq.shape[0],

@@ -38,6 +38,13 @@ def launcher(kernel, traced: bool | None = None):
     return wrap_triton(kernel) if (tracing() if traced is None else traced) else kernel
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for a >= 0, b > 0, on the host. ``triton.cdiv`` is a ``constexpr_function``
+    in Triton 3.9 whose call costs a few µs of host time (its arguments are unwrapped one by one),
+    and the launchers call it on every launch of the host-bound training step."""
+    return -(-a // b)
+
+
 @triton.jit
 def dot_acc(a, b, acc, INTERPRET: tl.constexpr, PRECISION: tl.constexpr):
     """acc + a·b with fp32 accumulation (operands upcast under the interpreter)."""
