@@ -7,6 +7,7 @@
 #   gaps                         step_gaps.py: where the GPU waits for the host in the step, LoRA and doracheck
 #   abstep, abstep_old           ab_step.py: eager step + fused AdamW (GC), LoRA and doracheck in one process
 #                                (this checkout; _old: the library in .old/), alternating new, old, new, old
+#                                (ABSTEP_ROUNDS: the process pairs' numbers, default "1 2")
 #   decode                       decode_ab.py: eager decode, LoRA and doracheck interleaved in one process
 # .old/ holds `git archive` of the commit to compare against (ignored by git, named in carry).
 set -u
@@ -39,7 +40,7 @@ if [[ $PARTS == *,gaps,* ]]; then
   step gaps 240 $PY step_gaps.py --impls peft_lora_bf16,doracheck_bf16 --steps 2 --json-out "$R/step_gaps.json"
 fi
 if [[ $PARTS == *,abstep,* ]]; then
-  for i in 1 2; do
+  for i in ${ABSTEP_ROUNDS:-1 2}; do
     step abstep_new_$i 150 $PY ab_step.py --rounds 5 --steps 4 --csv "$R/ab_step_new_$i.csv" --configs "lora;dc"
     [[ $PARTS == *,abstep_old,* && -n ${OLD:-} ]] && step abstep_old_$i 150 $OLD $PY ab_step.py --rounds 5 --steps 4 --csv "$R/ab_step_old_$i.csv" --configs "lora;dc"
   done
