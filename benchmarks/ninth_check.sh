@@ -9,6 +9,7 @@
 #                                (this checkout; _old: the library in .old/), alternating new, old, new, old
 #                                (ABSTEP_ROUNDS: the process pairs' numbers, default "1 2")
 #   decode                       decode_ab.py: eager decode, LoRA and doracheck interleaved in one process
+#   decode_ab                    the same, this checkout and .old/ in alternating processes, twice
 # .old/ holds `git archive` of the commit to compare against (ignored by git, named in carry).
 set -u
 source benchmarks/gpu_common.sh
@@ -47,6 +48,13 @@ if [[ $PARTS == *,abstep,* ]]; then
 fi
 if [[ $PARTS == *,decode,* ]]; then
   step decode_new 120 $PY decode_ab.py --new-tokens 64 --rounds 5 --csv "$R/decode_new.csv"
+fi
+if [[ $PARTS == *,decode_ab,* && -n ${OLD:-} ]]; then  # eager decode, this checkout and .old/ alternating
+  for i in 1 2; do
+    step decode_new_$i 120 $PY decode_ab.py --new-tokens 64 --rounds 5 --csv "$R/decode_new_$i.csv"
+    step decode_old_$i 120 $OLD $PY decode_ab.py --new-tokens 64 --rounds 5 --csv "$R/decode_old_$i.csv"
+  done
+  for f in "$R"/decode_new_*.csv "$R"/decode_old_*.csv; do echo "$(basename "$f")"; cut -d, -f1,3,7 "$f"; done
 fi
 cd ..
 if [[ $PARTS == *,verify,* ]]; then
