@@ -16,7 +16,10 @@ never licenses reuse. The rule, by the kind of forward asking:
      for-loop optimizers alike, and every ``torch.optim.Optimizer`` subclass);
    - no doracheck backward has run: once one has, parameters may be written by hand at any
      time (a tutorial ``p.data -= lr*p.grad``), so until the next optimizer step or training
-     forward starts a new era, a forward without grad mode neither reads nor stores;
+     forward starts a new era, a forward without grad mode reads nothing. It stores what it
+     computed (replacing what was stored): it may be the first pass of reentrant
+     checkpointing, whose recompute reads it under rule 2, and only a recompute can read it
+     before the era ends;
    - the tensors are the same objects, at the same address, with the same version counter,
      s, layout, shape, dtype and device (in-place writes under ``no_grad``, ``load_state_dict``),
      and the current CUDA stream is the one the norm was computed on (another stream could read
@@ -212,16 +215,21 @@ def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, 
     if key is None:
         return compute()
     in_backward = _in_backward()
+    may_read = in_backward or not recording  # rule 1: a training forward never reads
     if not in_backward and _era["backward_seen"]:
-        if not recording:  # between a backward and the next step anything may write: rule 3
-            with _lock:
-                _stats["misses"] += 1
-            return compute()
-        _end_era()  # a training forward: parameters are what this step will use
+        if recording:
+            _end_era()  # a training forward: parameters are what this step will use
+        else:
+            # Between a backward and the next step anything may write (rule 3): no reading. The
+            # value is still stored, replacing the older one, because this forward may be the
+            # first pass of reentrant checkpointing, whose recompute inside the backward reads
+            # what its forward stored (rule 2); a recompute must never find the value of an
+            # earlier step there (found in review: parameters updated through .data between
+            # steps gave stale norms and g to the recompute).
+            may_read = False
     era = _era["number"]
     key = (*key, tag, era)
     slot = id(lora_B)
-    may_read = in_backward or not recording  # rule 1: a training forward never reads
     if may_read:
         with _lock:
             entry = _entries.get(slot)

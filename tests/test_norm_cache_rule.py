@@ -184,17 +184,60 @@ def test_checkpoint_recompute_reuses_its_forwards_g_too():
 
 
 def test_a_stored_g_is_not_read_for_another_magnitude():
-    """The magnitude's identity and version are part of the key: after m changes in place (its
-    version moves), the recompute of a new forward forms g from the new m."""
+    """The magnitude's identity and version are part of the key. A forward without grad mode and
+    with dropout (so it forms g itself) stores g; after m changes in place (its version moves)
+    the next such forward must form g from the new m, not read the stored one."""
     W, A, B, m = params(seed=4)
     x = torch.randn(4, 10)
-    checkpoint.checkpoint(call, x, W, A, B, m, use_reentrant=False).sum().backward()
+
+    def dropped(m):
+        torch.manual_seed(7)  # the same keep-mask for every call
+        with torch.no_grad():
+            return doracheck.dora_linear(x, W, A, B, m, 2.0, dropout_p=0.3, training=True)
+
+    before = counts()
+    dropped(m)
+    assert delta(before) == (0, 1)  # computed and stored
     with torch.no_grad():
         m.mul_(0.5)
-    m.grad = None
-    y = checkpoint.checkpoint(call, x, W, A, B, m, use_reentrant=False)
-    y.square().sum().backward()
-    m_fresh = m.detach().clone().requires_grad_()
-    call(x, W, A, B, m_fresh).square().sum().backward()
-    assert torch.equal(m.grad, m_fresh.grad)
-    assert rel_l2(y.detach().double(), fresh_output(x, W, A, B, m)) <= 1e-6
+    got = dropped(m)
+    clear_norm_cache()
+    assert torch.equal(got, dropped(m))  # as if nothing had been stored
+
+
+@pytest.mark.parametrize("written", ["magnitude", "all"])
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_recompute_after_data_updates_between_steps_reads_its_own_forward(written, reentrant):
+    """Parameters updated through ``.data`` between steps (no optimizer, so no era ends) with
+    checkpointing and dropout: reentrant checkpointing's first pass runs without grad after the
+    previous step's backward, and its recompute inside the backward must read what that pass
+    computed, never an earlier step's norm or g (found in review: dA and dB off by 100% after
+    one such update, and the norm stale by 48-64x when A and B were written)."""
+    gen = torch.Generator().manual_seed(1)
+    d_in, d_out, r, T, p = 12, 10, 4, 7, 0.1
+    W = torch.randn(d_out, d_in, generator=gen)
+    A = (torch.randn(r, d_in, generator=gen) / 3).requires_grad_()
+    B = (torch.randn(d_out, r, generator=gen) / 3).requires_grad_()
+    m = (1 + torch.rand(d_out, generator=gen)).requires_grad_()
+    x = torch.randn(T, d_in, generator=gen).requires_grad_()
+    mask = torch.rand(T, d_in, generator=gen) > p
+
+    def layer(x):
+        return doracheck.dora_linear(x, W, A, B, m, 1.5, training=True, dropout_p=p, dropout_mask=mask)
+
+    updated = [A, B, m] if written == "all" else [m]
+    for _ in range(3):
+        for t in (A, B, m, x):
+            t.grad = None
+        checkpoint.checkpoint(layer, x, use_reentrant=reentrant).square().sum().backward()
+        A2, B2, m2 = (t.detach().double().requires_grad_() for t in (A, B, m))
+        xd, Wd = x.detach().double(), W.double()
+        x_drop = xd * mask / (1 - p)
+        n = (Wd + 1.5 * B2 @ A2).norm(dim=1).detach()
+        g = m2 / n
+        ref = xd @ Wd.t() + (g - 1) * (x_drop @ Wd.t()) + g * 1.5 * ((x_drop @ A2.t()) @ B2.t())
+        ref.square().sum().backward()
+        for got, want in zip((A.grad, B.grad, m.grad), (A2.grad, B2.grad, m2.grad)):
+            assert rel_l2(got.double(), want) <= 1e-5
+        for t in updated:
+            t.data -= 0.3 * t.grad  # the tutorial update: no optimizer, no version change
