@@ -24,27 +24,34 @@ from .numerics import autocast_dtype, our_numerics
 _PARAM_NAMES = ("weight", "lora_A", "lora_B", "magnitude", "bias")
 
 
+def _held_on_ctx(t: torch.Tensor | None) -> bool:
+    """Whether a parameter argument rides on the ctx rather than through ``save_for_backward``:
+    module parameters only (``nn.Parameter``, not an inference tensor). They live as long as
+    their module anyway; any other tensor (a weight dequantized or cast for this call) goes
+    through ``save_for_backward``, which frees it when the backward is done (a reference on the
+    ctx would keep it as long as the graph: found in review)."""
+    return isinstance(t, torch.nn.Parameter) and not t.is_inference()
+
+
 def _save(ctx, saved: Saved, a: LayerArgs, lead: tuple) -> None:
     """Keep ``saved`` and the parameters for the backward.
 
-    Only the activations go through ``save_for_backward`` (so through saved-tensor hooks, such
-    as activation checkpointing's, three Python calls per tensor and step). In eager the
+    Activations go through ``save_for_backward`` (so through saved-tensor hooks, such as
+    activation checkpointing's: three Python calls per tensor and step). In eager, module
     parameters ride on the ctx with their version counters, checked by ``_restore`` as autograd
-    checks saved tensors: parameters are alive anyway, and a hook would only pack, recompute
-    and unpack them again (10 hook-packed tensors per call before, 5 now). While torch.compile
-    traces, everything goes through ``save_for_backward``, the form it supports. ``n_safe`` is
-    kept only for the exact-norm backward, the one that reads it."""
+    checks saved tensors: they are alive anyway, and a hook would only pack, recompute and
+    unpack them again (10 hook-packed tensors per call before, 5 now for a PEFT layer). Other
+    tensors passed as parameters, and everything while torch.compile traces (the form it
+    supports), go through ``save_for_backward``. ``n_safe`` is kept only for the exact-norm
+    backward, the one that reads it."""
     tensors = tuple(saved[:SAVED_TENSORS])
     if a.detach_norm:
         tensors = tensors[:6] + (None,) + tensors[7:]
     params = (a.weight, a.lora_A, a.lora_B, a.magnitude, a.bias)
-    if tracing():
-        ctx.save_for_backward(*tensors, *params)
-        ctx.params = None
-    else:
-        ctx.save_for_backward(*tensors)
-        ctx.params = params
-        ctx.param_versions = tuple(None if t is None else t._version for t in params)
+    held = (None,) * len(params) if tracing() else tuple(t if _held_on_ctx(t) else None for t in params)
+    ctx.save_for_backward(*tensors, *(None if h is not None else t for t, h in zip(params, held)))
+    ctx.params = held
+    ctx.param_versions = tuple(None if t is None else t._version for t in held)
     ctx.flags = saved.flags()
     ctx.settings = (a.scaling, a.fan_in_fan_out, a.dropout_p, a.detach_norm)
     ctx.lead = lead
@@ -52,17 +59,14 @@ def _save(ctx, saved: Saved, a: LayerArgs, lead: tuple) -> None:
 
 def _restore(ctx) -> tuple[Saved, LayerArgs]:
     tensors = ctx.saved_tensors
-    params = ctx.params
-    if params is None:
-        params = tensors[SAVED_TENSORS:]
-    else:
-        for name, t, version in zip(_PARAM_NAMES, params, ctx.param_versions):
-            if t is not None and t._version != version:
-                raise RuntimeError(
-                    f"{name}: modified by an inplace operation between the DoRA forward and its backward (version "
-                    f"{t._version}, expected {version}), so the gradient would be wrong; clone it before modifying it, "
-                    "or modify it after the backward"
-                )
+    for name, t, version in zip(_PARAM_NAMES, ctx.params, ctx.param_versions):
+        if t is not None and t._version != version:
+            raise RuntimeError(
+                f"{name}: modified by an inplace operation between the DoRA forward and its backward (version "
+                f"{t._version}, expected {version}), so the gradient would be wrong; clone it before modifying it, "
+                "or modify it after the backward"
+            )
+    params = tuple(h if h is not None else t for h, t in zip(ctx.params, tensors[SAVED_TENSORS:]))
     return Saved.rebuild(tensors, ctx.flags), LayerArgs(*params, *ctx.settings)
 
 

@@ -159,5 +159,8 @@ def dm_finish_torch(
     dm = parts[0].clone() if parts.shape[0] else parts.new_zeros(parts.shape[1])
     for row in parts[1:]:
         dm += row
+    if dy.shape[0] == 0:  # no tokens: a lost feature's sum is empty, 0 (as the kernel gives)
+        dm[(g == 0) & (n >= EPS)] = 0.0
+        return dm.to(out_dtype)
     return dm_lost_rows_torch(dm, dy, x, weight_rows, xa, lora_B, g, n, scaling).to(out_dtype)
 

@@ -1,11 +1,13 @@
 """What a DoRA autograd Function keeps for its backward, and how.
 
-Only activations go through ``save_for_backward`` (so through saved-tensor hooks such as
-activation checkpointing's, three Python calls per tensor per step on the host-bound eager
-step); in eager the parameters ride on the ctx, with their version counters checked in the
-backward as autograd checks saved tensors. These tests pin both halves: no parameter is
-packed by a hook, and a parameter modified in place between the forward and the backward
-still raises instead of giving a wrong gradient.
+Activations go through ``save_for_backward`` (so through saved-tensor hooks such as activation
+checkpointing's, three Python calls per tensor per step on the host-bound eager step); in eager,
+module parameters (``nn.Parameter``) ride on the ctx, with their version counters checked in the
+backward as autograd checks saved tensors, and any other tensor passed as a parameter goes
+through ``save_for_backward`` (freed after the backward). These tests pin each part: no module
+parameter is packed by a hook, a parameter modified in place between the forward and the
+backward still raises instead of giving a wrong gradient, and a temporary weight is not kept
+alive by the graph.
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ import doracheck
 from doracheck.autograd import dora_from_base
 
 
-def _layer(seed: int = 0, dtype=torch.float32, bias: bool = False):
+def _layer(seed: int = 0, dtype=torch.float32, bias: bool = False, parameters: bool = True):
+    """x and the layer's tensors; ``parameters``: W, A, B, m, b as ``nn.Parameter``s (W frozen),
+    as a module holds them, else plain tensors."""
     gen = torch.Generator().manual_seed(seed)
     d_in, d_out, r, T = 12, 10, 4, 7
-    W = torch.randn(d_out, d_in, generator=gen, dtype=dtype)
-    A = (torch.randn(r, d_in, generator=gen, dtype=dtype) / 3).requires_grad_()
-    B = (torch.randn(d_out, r, generator=gen, dtype=dtype) / 3).requires_grad_()
-    m = (1 + torch.rand(d_out, generator=gen, dtype=dtype)).requires_grad_()
-    b = torch.randn(d_out, generator=gen, dtype=dtype).requires_grad_() if bias else None
+    wrap = (lambda t, grad: torch.nn.Parameter(t, requires_grad=grad)) if parameters else (lambda t, grad: t.requires_grad_(grad))
+    W = wrap(torch.randn(d_out, d_in, generator=gen, dtype=dtype), False)
+    A = wrap(torch.randn(r, d_in, generator=gen, dtype=dtype) / 3, True)
+    B = wrap(torch.randn(d_out, r, generator=gen, dtype=dtype) / 3, True)
+    m = wrap(1 + torch.rand(d_out, generator=gen, dtype=dtype), True)
+    b = wrap(torch.randn(d_out, generator=gen, dtype=dtype), True) if bias else None
     x = torch.randn(2, T, d_in, generator=gen, dtype=dtype).requires_grad_()
     return x, W, A, B, m, b
 
@@ -54,15 +59,46 @@ def test_no_parameter_goes_through_the_saved_tensor_hooks(entry, bias):
 
 
 @pytest.mark.parametrize("entry", [_from_base, _linear])
-@pytest.mark.parametrize("name", ["lora_A", "lora_B", "magnitude"])
+@pytest.mark.parametrize("name", ["weight", "lora_A", "lora_B", "magnitude", "bias"])
 def test_a_parameter_modified_in_place_before_the_backward_raises(entry, name):
-    x, W, A, B, m, b = _layer()
+    x, W, A, B, m, b = _layer(bias=True)
     y = entry(x, W, A, B, m, b)
-    target = {"lora_A": A, "lora_B": B, "magnitude": m}[name]
+    target = {"weight": W, "lora_A": A, "lora_B": B, "magnitude": m, "bias": b}[name]
     with torch.no_grad():
         target.mul_(1.01)
     with pytest.raises(RuntimeError, match=f"{name}: modified by an inplace operation"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("entry", [_from_base, _linear])
+def test_plain_tensors_go_through_save_for_backward_and_autograd_checks_them(entry):
+    x, W, A, B, m, b = _layer(parameters=False)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        y = entry(x, W, A, B, m, b)
+    assert any(t is B for t in packed) and any(t is m for t in packed)
+    y = entry(x, W, A, B, m, b)  # without hooks: autograd's own version check applies (hooks skip it)
+    with torch.no_grad():
+        B.mul_(1.01)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("entry", [_from_base, _linear])
+def test_a_temporary_weight_is_freed_after_the_backward(entry):
+    """A weight made for this call (dequantized or cast by a caller) is not kept alive by the
+    graph once the backward is done, as ``save_for_backward`` frees what it holds."""
+    import gc
+    import weakref
+
+    x, W, A, B, m, b = _layer()
+    temporary = W.detach().clone()
+    ref = weakref.ref(temporary)
+    y = entry(x, temporary, A, B, m, b)
+    del temporary
+    y.sum().backward()
+    gc.collect()
+    assert ref() is None  # y (and its graph) still alive here
 
 
 def test_the_exact_norm_backward_still_gets_max_n_eps():

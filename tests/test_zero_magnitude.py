@@ -142,6 +142,45 @@ def test_dm_finish_kernel_matches_its_twin_under_the_interpreter(dtype, out_dtyp
     assert rel_l2(got.double(), twin.double()) <= (1e-2 if out_dtype == torch.bfloat16 else 1e-6)
 
 
+@pytest.mark.interpreter
+@pytest.mark.skipif(not INTERPRETER, reason="the interpreter run (the GPU test below covers CUDA)")
+@pytest.mark.parametrize("T", [0, 37])
+def test_dm_finish_recomputes_lost_features_in_every_block_under_the_interpreter(T):
+    """Lost features in the first, a middle and the last block of BLOCK_D = 128 features (a
+    block offset dropped from the recomputation passed the single-block tests: found in
+    review), with NaN partials there as the dz/dm pass leaves them; T = 0 gives 0 there."""
+    from doracheck.kernels import dm_finish_torch
+    from doracheck.kernels.lost_rows_triton import dm_finish_triton
+
+    _, dy, x, W, xa, B, g, n = _many_blocks(T)
+    parts = torch.randn(3, 300, generator=torch.Generator().manual_seed(8))
+    parts[:, LOST_IN_BLOCKS] = float("nan")
+    got = dm_finish_triton(parts, dy, x, W, xa, B, g, n, 1.5, torch.float32)
+    twin = dm_finish_torch(parts, dy, x, W, xa, B, g, n, 1.5, torch.float32)
+    assert torch.isfinite(got).all()
+    assert rel_l2(got.double(), twin.double()) <= 1e-6
+    others = [i for i in range(300) if i not in LOST_IN_BLOCKS]
+    assert torch.equal(got[others], twin[others])  # the same in-order fp32 sums
+
+
+LOST_IN_BLOCKS = [1, 130, 255, 299]
+
+
+def _many_blocks(T: int, dtype=torch.float32):
+    """Kernel inputs with d_out = 300 (three blocks of 128) and lost features in each block."""
+    gen = torch.Generator().manual_seed(9)
+    d_out, d_in, r = 300, 40, 5
+    dy = torch.randn(T, d_out, generator=gen).to(dtype)
+    x = torch.randn(T, d_in, generator=gen).to(dtype)
+    W = torch.randn(d_out, d_in, generator=gen).to(dtype)
+    xa = torch.randn(T, r, generator=gen).to(dtype)
+    B = torch.randn(d_out, r, generator=gen).to(dtype)
+    g = torch.rand(d_out, generator=gen) + 0.5
+    n = torch.rand(d_out, generator=gen) + 0.5
+    g[LOST_IN_BLOCKS] = 0.0
+    return None, dy, x, W, xa, B, g, n
+
+
 def test_dm_finish_sums_many_partials_in_order():
     """Each feature's partials are added in row order in fp32: the twin's sum of 40 rows is
     bitwise a plain loop's (so the kernel, which adds them the same way, is checked against it)."""
@@ -169,6 +208,12 @@ def test_dm_finish_kernel_on_the_gpu(dtype, out_dtype):
     got = _finish_checks(dm_finish_triton, args, out_dtype, 1e-2 if out_dtype == torch.bfloat16 else 1e-5)
     twin = dm_finish_torch(_partials(args[0]).cuda(), *args[1:], 1.5, out_dtype)
     assert rel_l2(got.double(), twin.double()) <= (1e-2 if out_dtype == torch.bfloat16 else 1e-5)
+    _, *blocks = (t.cuda() if t is not None else None for t in _many_blocks(700, dtype))  # lost features in three blocks
+    block_parts = torch.randn(3, 300, generator=torch.Generator().manual_seed(8)).cuda()
+    block_parts[:, LOST_IN_BLOCKS] = float("nan")
+    got_blocks = dm_finish_triton(block_parts, *blocks, 1.5, torch.float32)
+    assert torch.isfinite(got_blocks).all()
+    assert rel_l2(got_blocks.double(), dm_finish_torch(block_parts, *blocks, 1.5, torch.float32).double()) <= 1e-5
     parts = torch.randn(70, 11, generator=torch.Generator().manual_seed(6)).cuda()  # many partials: bitwise the twin's in-order sum where nothing is lost
     g = args[6].clone()
     g[g == 0] = 1.0
