@@ -16,10 +16,9 @@ never licenses reuse. The rule, by the kind of forward asking:
      for-loop optimizers alike, and every ``torch.optim.Optimizer`` subclass);
    - no doracheck backward has run: once one has, parameters may be written by hand at any
      time (a tutorial ``p.data -= lr*p.grad``), so until the next optimizer step or training
-     forward starts a new era, a forward without grad mode reads nothing. It stores what it
-     computed (replacing what was stored): it may be the first pass of reentrant
-     checkpointing, whose recompute reads it under rule 2, and only a recompute can read it
-     before the era ends;
+     forward starts a new era, a forward without grad mode neither reads nor stores, and it
+     drops the layer's stored value: it may be the first pass of reentrant checkpointing,
+     whose recompute must then compute afresh rather than read an earlier step's value;
    - the tensors are the same objects, at the same address, with the same version counter,
      s, layout, shape, dtype and device (in-place writes under ``no_grad``, ``load_state_dict``),
      and the current CUDA stream is the one the norm was computed on (another stream could read
@@ -220,13 +219,18 @@ def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, 
         if recording:
             _end_era()  # a training forward: parameters are what this step will use
         else:
-            # Between a backward and the next step anything may write (rule 3): no reading. The
-            # value is still stored, replacing the older one, because this forward may be the
-            # first pass of reentrant checkpointing, whose recompute inside the backward reads
-            # what its forward stored (rule 2); a recompute must never find the value of an
-            # earlier step there (found in review: parameters updated through .data between
-            # steps gave stale norms and g to the recompute).
-            may_read = False
+            # Between a backward and the next step anything may write (rule 3): no reading, no
+            # storing, and the layer's stored entry is dropped. This forward may be the first
+            # pass of reentrant checkpointing: its recompute inside the backward must then
+            # compute afresh, not find an earlier step's value (found in review: parameters
+            # updated through .data between steps gave stale norms and g to the recompute).
+            # Storing this forward's value instead was wrong too: an evaluation with swapped
+            # weights (an EMA copied in and back through .data) before a pending backward would
+            # have replaced the value that backward's recompute reads.
+            with _lock:
+                _entries.pop(id(lora_B), None)
+                _stats["misses"] += 1
+            return compute()
     era = _era["number"]
     key = (*key, tag, era)
     slot = id(lora_B)
@@ -235,7 +239,8 @@ def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, 
             entry = _entries.get(slot)
             if entry is not None:
                 refs, entry_key, value = entry
-                if entry_key == key and refs[0]() is weight and refs[1]() is lora_A and refs[2]() is lora_B:
+                if (entry_key == key and refs[0]() is weight and refs[1]() is lora_A and refs[2]() is lora_B
+                        and not (in_backward and _holds_inference_tensors(value))):
                     _entries.move_to_end(slot)
                     _stats["hits"] += 1
                     return value
@@ -248,6 +253,19 @@ def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, 
         while len(_entries) > MAX_ENTRIES:
             _entries.popitem(last=False)
     return value
+
+
+def _holds_inference_tensors(value) -> bool:
+    """Whether a stored value was formed under ``torch.inference_mode`` (an evaluation run
+    there): a recompute inside a backward cannot save such tensors for its own backward, so it
+    computes afresh (found in review: an inference-mode validation before the first training
+    step made reentrant checkpointing's recompute raise)."""
+    parts = value if isinstance(value, tuple) else (value,)
+    for part in parts:
+        for t in part if isinstance(part, tuple) else (part,):
+            if isinstance(t, torch.Tensor) and t.is_inference():
+                return True
+    return False
 
 
 def _forget(slot: int) -> None:

@@ -207,12 +207,12 @@ def test_a_stored_g_is_not_read_for_another_magnitude():
 
 @pytest.mark.parametrize("written", ["magnitude", "all"])
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_recompute_after_data_updates_between_steps_reads_its_own_forward(written, reentrant):
+def test_recompute_after_data_updates_between_steps_never_reads_an_earlier_step(written, reentrant):
     """Parameters updated through ``.data`` between steps (no optimizer, so no era ends) with
     checkpointing and dropout: reentrant checkpointing's first pass runs without grad after the
-    previous step's backward, and its recompute inside the backward must read what that pass
-    computed, never an earlier step's norm or g (found in review: dA and dB off by 100% after
-    one such update, and the norm stale by 48-64x when A and B were written)."""
+    previous step's backward, and its recompute inside the backward must never find an earlier
+    step's norm or g (found in review: dA and dB off by 100% after one such update, and the norm
+    stale by 48-64x when A and B were written)."""
     gen = torch.Generator().manual_seed(1)
     d_in, d_out, r, T, p = 12, 10, 4, 7, 0.1
     W = torch.randn(d_out, d_in, generator=gen)
@@ -241,3 +241,75 @@ def test_recompute_after_data_updates_between_steps_reads_its_own_forward(writte
             assert rel_l2(got.double(), want) <= 1e-5
         for t in updated:
             t.data -= 0.3 * t.grad  # the tutorial update: no optimizer, no version change
+
+
+def _ema_swap_grads(clear: bool, reentrant: bool):
+    """Two micro-steps of a checkpointed layer; between the second forward and its backward an
+    evaluation runs with other weights copied in through ``.data`` and restored after (an EMA
+    swap, as torch_ema does). ``clear``: the reference, no norm ever reused."""
+    torch.manual_seed(0)
+    layer = doracheck.DoRALinear(32, 24, r=4, lora_alpha=8, dtype=torch.float32)
+    with torch.no_grad():
+        layer.lora_B.normal_()
+        layer.magnitude.mul_(1.5)
+    trained = [layer.lora_A, layer.lora_B, layer.magnitude]
+    ema = [p.detach().clone() * 3 + 0.1 for p in trained]
+
+    def loss(seed):
+        if clear:
+            clear_norm_cache()
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+        return checkpoint.checkpoint(layer, x, use_reentrant=reentrant).square().sum()
+
+    loss(1).backward()  # micro-step 1: a backward has run in this era
+    pending = loss(2)  # micro-step 2's forward (reentrant: its first pass runs without grad)
+    backup = [p.detach().clone() for p in trained]
+    for p, e in zip(trained, ema):
+        p.data.copy_(e)
+    with torch.no_grad():
+        if clear:
+            clear_norm_cache()
+        layer(torch.randn(4, 32))  # the evaluation, on the swapped-in weights
+    for p, b in zip(trained, backup):
+        p.data.copy_(b)
+    if clear:
+        clear_norm_cache()
+    pending.backward()
+    return [p.grad.clone() for p in trained]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_an_evaluation_on_swapped_weights_before_a_pending_backward_changes_nothing(reentrant):
+    """After a backward, a forward without grad mode neither reads nor stores (found in review:
+    storing there let an evaluation with EMA weights replace the value a pending recompute reads,
+    41-51% wrong gradients)."""
+    for got, want in zip(_ema_swap_grads(False, reentrant), _ema_swap_grads(True, reentrant)):
+        assert rel_l2(got.double(), want.double()) <= 1e-6
+
+
+@pytest.mark.parametrize("when", ["before_the_first_step", "before_a_pending_backward"])
+def test_an_inference_mode_evaluation_never_hands_a_recompute_inference_tensors(when):
+    """A norm stored by a forward under ``torch.inference_mode`` (a sanity validation before the
+    first step) holds inference tensors, which autograd cannot save: a recompute inside a
+    backward computes afresh instead of reading them (found in review: reentrant checkpointing
+    raised 'Inference tensors cannot be saved for backward')."""
+    torch.manual_seed(0)
+    layer = doracheck.DoRALinear(16, 12, r=4, lora_alpha=8)
+
+    def train():
+        x = torch.randn(5, 16, requires_grad=True)
+        return checkpoint.checkpoint(layer, x, use_reentrant=True).square().sum()
+
+    def evaluate():
+        with torch.inference_mode():
+            layer(torch.randn(3, 16))
+
+    if when == "before_the_first_step":
+        evaluate()
+        train().backward()
+    else:
+        train().backward()
+        pending = train()
+        evaluate()
+        pending.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in (layer.lora_A, layer.lora_B, layer.magnitude))
