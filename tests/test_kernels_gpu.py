@@ -6,6 +6,8 @@ family; plus determinism, edge inputs, the norm cache and torch.compile.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -328,21 +330,14 @@ def test_inference_is_capturable_in_a_cuda_graph_and_replays_the_parameters_of_t
         assert torch.equal(static_y, doracheck.dora_linear(static_x, W, A, B, m, s, b))
 
 
-@pytest.mark.parametrize("t", [1, 37])
-def test_fast_launch_reuses_tritons_kernel_and_is_bitwise_its_launch(t):
-    """Eager compose launches after the first skip Triton's binder (kernels/fast_launch.py): the
-    same compiled kernel with the same arguments, so bitwise Triton's own launch; a misaligned
-    view (Triton specialises on alignment) still goes through Triton."""
-    from doracheck.kernels import compose_triton, fast_launch
+@contextlib.contextmanager
+def _counting_triton_runs(kernel):
+    """Count the launches that go through Triton's own ``JITFunction.run`` (the binder) for
+    ``kernel``; fast_launch's kept kernels are forgotten before and after, so the first call
+    inside takes Triton's path."""
+    from doracheck.kernels import fast_launch
 
-    gen = torch.Generator().manual_seed(t)
-    d_out, r = 1031, 96
-    xa = torch.randn(t, r, generator=gen).to("cuda", torch.bfloat16)
-    B = (torch.randn(d_out, r, generator=gen) / 10).to("cuda", torch.bfloat16)
-    g = (1 + torch.randn(d_out, generator=gen) / 10).to("cuda")
-    base = torch.randn(t, d_out, generator=gen).to("cuda", torch.bfloat16)
-    kernel = compose_triton._lora_up_compose_kernel
-    runs = []
+    runs: list = []
     real_run = kernel.run
 
     def counted(*a, **kw):
@@ -352,6 +347,27 @@ def test_fast_launch_reuses_tritons_kernel_and_is_bitwise_its_launch(t):
     fast_launch.clear()
     kernel.run = counted
     try:
+        yield runs
+    finally:
+        del kernel.run
+        fast_launch.clear()
+
+
+@pytest.mark.parametrize("t", [1, 37])
+def test_fast_launch_reuses_tritons_kernel_and_is_bitwise_its_launch(t):
+    """Eager compose launches after the first skip Triton's binder (kernels/fast_launch.py): the
+    same compiled kernel with the same arguments, so bitwise Triton's own launch; a misaligned
+    view (Triton specialises on alignment) still goes through Triton."""
+    from doracheck.kernels import compose_triton
+
+    gen = torch.Generator().manual_seed(t)
+    d_out, r = 1031, 96
+    xa = torch.randn(t, r, generator=gen).to("cuda", torch.bfloat16)
+    B = (torch.randn(d_out, r, generator=gen) / 10).to("cuda", torch.bfloat16)
+    g = (1 + torch.randn(d_out, generator=gen) / 10).to("cuda")
+    base = torch.randn(t, d_out, generator=gen).to("cuda", torch.bfloat16)
+    kernel = compose_triton._lora_up_compose_kernel
+    with _counting_triton_runs(kernel) as runs:
         outs = [compose_triton.lora_up_compose_triton(base, xa, B, g, 2.0) for _ in range(3)]
         assert len(runs) == 1  # the first launch only
         spare = torch.empty(t * d_out + 1, device="cuda", dtype=torch.bfloat16)
@@ -359,9 +375,6 @@ def test_fast_launch_reuses_tritons_kernel_and_is_bitwise_its_launch(t):
         odd.copy_(base)
         out_odd = compose_triton.lora_up_compose_triton(odd, xa, B, g, 2.0)
         assert len(runs) == 2
-    finally:
-        del kernel.run
-        fast_launch.clear()
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]) and torch.equal(outs[0], out_odd)
 
 
@@ -371,7 +384,7 @@ def test_dm_finish_fast_launch_is_bitwise_tritons_launch_and_skips_its_binder():
     is bitwise Triton's own launch (the partials summed, features with m = 0 recomputed)."""
     import triton
 
-    from doracheck.kernels import fast_launch, lost_rows_triton
+    from doracheck.kernels import lost_rows_triton
 
     gen = torch.Generator().manual_seed(3)
     T, d_in, d_out, r, P = 37, 96, 300, 16, 5
@@ -391,21 +404,9 @@ def test_dm_finish_fast_launch_is_bitwise_tritons_launch_and_skips_its_binder():
     kernel[grid](reference, parts, parts.stride(0), dy, *dy.stride(), x, *x.stride(), W, *W.stride(), xa, *xa.stride(),
                  B, *B.stride(), g, n, P, T, d_in, r, d_out, 2.0, 1e-12, INTERPRET=False,
                  BLOCK_D=lost_rows_triton.BLOCK_D, BLOCK_T=lost_rows_triton.BLOCK_T, BLOCK_K=lost_rows_triton.BLOCK_K)
-    runs = []
-    real_run = kernel.run
-
-    def counted(*a, **kw):
-        runs.append(1)
-        return real_run(*a, **kw)
-
-    fast_launch.clear()
-    kernel.run = counted
-    try:
+    with _counting_triton_runs(kernel) as runs:
         outs = [lost_rows_triton.dm_finish_triton(parts, dy, x, W, xa, B, g, n, 2.0, torch.bfloat16) for _ in range(3)]
         assert len(runs) == 1  # the first launch only
-    finally:
-        del kernel.run
-        fast_launch.clear()
     assert torch.isfinite(outs[0]).all()  # every lost feature recomputed
     for out in outs:
         assert torch.equal(out, reference)
