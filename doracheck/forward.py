@@ -71,8 +71,11 @@ def norm_and_scale(backend: Backend, a: LayerArgs, *, need_g: bool, recording: b
     if a.detach_norm:  # U, G are not needed: the cache keeps the four d_out vectors, n_safe and g
 
         def compute_stored():
+            if need_g:  # the norm, max(n, eps) and g in one backend call (the Triton one: one graph replay)
+                fn, n_safe, g = backend.scaled_norm(a.weight, a.lora_A, a.lora_B, a.magnitude, a.scaling, a.fan_in_fan_out)
+                return fn._replace(U=None, G=None), n_safe, g
             fn, n_safe = compute(False)
-            return fn._replace(U=None, G=None), n_safe, magnitude_scale(a.magnitude, n_safe) if need_g else None
+            return fn._replace(U=None, G=None), n_safe, None
 
         fn, n_safe, g = norm_cache.lookup_or_compute(
             a.weight, a.lora_A, a.lora_B, a.scaling, a.fan_in_fan_out, compute_stored, tag=backend.name,

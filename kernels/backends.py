@@ -9,6 +9,9 @@ Ops (``cd``: the compute dtype of ``base``; ``g`` = m / max(n, eps) in fp32; ``s
 - ``factored_norm(weight, lora_A, lora_B, s, fan_in_fan_out, need_factors) -> FactoredNorm``;
   ``need_factors`` asks for U = W·Aᵀ and G = A·Aᵀ too (the exact-norm backward), which only the
   torch twin forms: the Triton twin hands those calls to it.
+- ``scaled_norm(weight, lora_A, lora_B, m, s, fan_in_fan_out) -> (FactoredNorm, n_safe, g)``:
+  the norm (no U, G), n_safe = max(n, eps) and g = m / n_safe, without autograd on the norm;
+  the Triton twin forms all of it in the norm's own launches (one CUDA graph replay).
 - ``compose_infer(base, xa, lora_B, m, n_safe, bias, s, base_has_bias) -> y``: inference,
   y = b + g⊙(base [- b] + s·xa·Bᵀ) with g = m / n_safe formed by the op.
 - ``compose_saving(base, xa, lora_B, g, bias, s, base_has_bias, output_may_stand_for_z)
@@ -37,7 +40,11 @@ from .compose_torch import (
     lora_up_compose_torch,
     magnitude_scale,
 )
+from .constants import EPS
 from .norm_torch import FactoredNorm, factored_norm_torch
+from .tracing import tracing
+
+_G_IN_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # m / n_safe is fp32 for these (type promotion)
 
 
 class Backend(NamedTuple):
@@ -48,6 +55,7 @@ class Backend(NamedTuple):
     compose_dropout: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     grad_scale_dm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     dm_finish: Callable[..., torch.Tensor]
+    scaled_norm: Callable[..., tuple[FactoredNorm, torch.Tensor, torch.Tensor]]
 
 
 # --- the torch twins -----------------------------------------------------------------------
@@ -55,6 +63,18 @@ class Backend(NamedTuple):
 
 def _norm_torch(weight, lora_A, lora_B, scaling, fan_in_fan_out, need_factors=False) -> FactoredNorm:
     return factored_norm_torch(weight, lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out)
+
+
+def _scaled_norm_composite(norm: Callable[..., FactoredNorm], weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out):
+    """(norm, n_safe, g) as three steps: ``norm``, torch.clamp_min, ``magnitude_scale``."""
+    with torch.no_grad():
+        fn = norm(weight, lora_A, lora_B, scaling, fan_in_fan_out)
+        n_safe = torch.clamp_min(fn.norm, EPS)
+    return fn, n_safe, magnitude_scale(magnitude, n_safe)
+
+
+def _scaled_norm_torch(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out):
+    return _scaled_norm_composite(_norm_torch, weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out)
 
 
 def _compose_infer_torch(base, xa, lora_B, magnitude, n_safe, bias, scaling, base_has_bias=False) -> torch.Tensor:
@@ -80,6 +100,7 @@ TORCH = Backend(
     compose_dropout=lora_up_compose_dropout_torch,
     grad_scale_dm=_grad_scale_dm_torch,
     dm_finish=dm_finish_torch,
+    scaled_norm=_scaled_norm_torch,
 )
 
 
@@ -124,10 +145,20 @@ def _build_triton_backend() -> Backend:
     def grad_scale_dm(dy, h, g, n, bias, from_output, final_dm, reduce):
         return ops.call("grad_scale_dm", dy, h, g, n, bias, from_output, final_dm, reduce)
 
+    def scaled_norm(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out):
+        # One kernel forms n_safe and g where m is an fp32 or 16-bit vector of stride 1 beside
+        # CUDA adapters, in eager (while tracing, the registered factored_norm op and two torch ops).
+        if (tracing() or magnitude.dtype not in _G_IN_NORM_DTYPES or magnitude.dim() != 1 or magnitude.stride(0) != 1
+                or magnitude.device != weight.device):
+            return _scaled_norm_composite(norm, weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out)
+        base, cross, lora, n, n_safe, g = ops.call("scaled_norm", weight, lora_A, lora_B, magnitude, float(scaling),
+                                                   fan_in_fan_out).unbind(0)
+        return FactoredNorm(base, cross, lora, n, None, None), n_safe, g
+
     def dm_finish(*args: Any) -> torch.Tensor:
         return ops.call("dm_finish", *args)
 
     def compose_infer(*args: Any) -> torch.Tensor:
         return ops.compose_infer_(*args)
 
-    return Backend("triton", norm, compose_infer, compose_saving, compose_dropout, grad_scale_dm, dm_finish)
+    return Backend("triton", norm, compose_infer, compose_saving, compose_dropout, grad_scale_dm, dm_finish, scaled_norm)

@@ -1,13 +1,12 @@
 """The Triton factored norm replayed from a CUDA graph: one host call instead of its launches.
 
-A factored norm on the Triton path is a cuBLAS Gram product, two row-dot launches, a finish
-launch and five allocations. Its GPU work is 39-246 µs at the benchmark shapes, its host time
+A factored norm on the Triton path is a Gram product (with the sum of its split-K partials), two
+row-dot launches, a finish launch and six allocations. Its GPU work is 39-246 µs at the benchmark shapes, its host time
 0.30-0.36 ms (H200 host, torch 2.11, triton 3.6; docs/design.md section 7), and a training
 forward pays it every step (the norm changes with every optimizer step). The norm of one
 layer reads the same tensors at the same addresses step after step (optimizers write
-parameters in place), so its launches after the Gram product are captured once into a CUDA
-graph and replayed (G = A·Aᵀ is written eagerly into a buffer the graph reads):
-the replay reads whatever W, A and B hold at replay time, so it is exact for the current
+parameters in place), so its launches, the Gram product G = A·Aᵀ included, are captured once
+into a CUDA graph and replayed: the replay reads whatever W, A and B hold at replay time, so it is exact for the current
 values by construction, whatever wrote them (fused AdamW, ``p.data``, ``load_state_dict`` in
 place): nothing is cached but the launches.
 
@@ -17,8 +16,8 @@ When a graph is used (``graphed_norm`` returns None otherwise and the caller lau
   replayed inside a capture);
 - the key has been seen ``CAPTURE_AFTER`` times (the first call compiles the kernels and a
   tensor seen once, a temporary, is not worth a capture). The key is everything the captured
-  launches depend on: each tensor's address, shape, strides and dtype, the device, the current
-  stream, s and ``fan_in_fan_out``. A tensor at the key's address with the key's layout is the
+  launches depend on: each tensor's address, shape, strides and dtype (the magnitude's too when
+  the graph also forms n_safe and g), the device, the current stream, s and ``fan_in_fan_out``. A tensor at the key's address with the key's layout is the
   tensor the graph reads.
 - no capture has failed in this process: after one raises (out of memory at the peak of a
   forward, another thread capturing in global mode), every norm is launched eagerly, with a
@@ -26,18 +25,18 @@ When a graph is used (``graphed_norm`` returns None otherwise and the caller lau
 - ``DORACHECK_NORM_GRAPHS=0`` in the environment turns graphs off, and so does
   ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` (no caching allocator, no private pools).
 
-Memory: all graphs of one (device, stream) share one memory pool, and all graphs of one rank
-one G, so temporaries are held about once, not once per layer (for fp16 B they include an fp32
-copy of B, d_out × r); each graph keeps its (4, d_out) fp32 output (229 KiB at d_out = 14336).
-Sharing is safe because a replay's output is copied out (one ``clone``) on the same stream
-before any other graph of that pool can be replayed, and G is written on that stream just
-before the replay that reads it: nothing a replay writes is read after the next replay. At most
+Memory: all graphs of one (device, stream) share one memory pool, so temporaries are held
+about once, not once per layer (G and its split-K partials, up to 14 × r × r fp32, 8 MiB at
+r = 384; for fp16 B an fp32 copy of B, d_out × r); each graph keeps its (4, d_out) fp32 output
+(229 KiB at d_out = 14336). Sharing is safe because a replay's output is copied out (one
+``clone``) on the same stream before any other graph of that pool can be replayed: nothing a
+replay writes is read after the next replay. At most
 ``MAX_GRAPHS`` graphs are kept: at that many, the graphs one of whose W, A, B has been freed
 (weak references; a deleted model, a temporary cast of W) are dropped, looked for only after
 some such tensor was freed, and if none was, new keys are launched eagerly (evicting live ones
 would make a model with more layers than that capture again every step). A graph whose tensors
 were freed keeps working for new tensors at the same addresses and layouts (it reads whatever
-is there). Each graph holds the G it reads. ``clear()`` drops them all and frees the pools.
+is there). ``clear()`` drops them all and frees the pools.
 
 Bitwise: a replay runs the same kernels with the same launch configurations as the eager
 launches, so its terms are bitwise the eager norm's (tests/test_norm_graphs.py, GPU).
@@ -63,10 +62,9 @@ MAX_GRAPHS = 2048
 MAX_SEEN = 8192
 
 _lock = threading.Lock()
-_graphs: dict[tuple, list] = {}  # key -> [graph, static (4, d_out) output, weak references to W, A, B, the G it reads]
+_graphs: dict[tuple, list] = {}  # key -> [graph, static (4, d_out) output, weak references to W, A, B]
 _seen: OrderedDict[tuple, int] = OrderedDict()  # key -> sightings before capture
 _pools: dict[tuple, Any] = {}  # (device, stream) -> memory pool handle shared by its graphs
-_grams: dict[tuple, torch.Tensor] = {}  # (device, stream, r) -> the fp32 (r, r) G every graph of that r reads
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 _stats = {"captures": 0, "replays": 0, "failed": 0}
 _NO_CACHING = os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") == "1"  # read by torch once, at CUDA start
@@ -94,7 +92,6 @@ def clear() -> None:
         _graphs.clear()
         _seen.clear()
         _pools.clear()
-        _grams.clear()
         _stats.update(captures=0, replays=0, failed=0)
         _state.update(off=False, dead=False)
 
@@ -109,22 +106,26 @@ def layout_key(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor,
     return float(scaling), bool(fan_in_fan_out), _layout(weight), _layout(lora_A), _layout(lora_B)
 
 
-def _key(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, fan_in_fan_out: bool) -> tuple | None:
+def _key(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, fan_in_fan_out: bool,
+         magnitude: torch.Tensor | None = None) -> tuple | None:
     """The replay key, or None where a graph may not be used for this call."""
     if not (type(weight) in _PLAIN and type(lora_A) in _PLAIN and type(lora_B) in _PLAIN):
         return None  # subclasses (DTensor, fake, functional tensors) and anything not a plain tensor
     if not (weight.is_cuda and lora_A.is_cuda and lora_B.is_cuda) or weight.numel() == 0 or lora_A.numel() == 0:
+        return None
+    if magnitude is not None and not (type(magnitude) in _PLAIN and magnitude.is_cuda):
         return None
     if tracing() or not enabled() or weight.device.index != torch.cuda.current_device():
         return None  # (the capture check below looks at the current device's stream)
     if torch.cuda.is_current_stream_capturing():
         return None
     stream = torch.cuda.current_stream(weight.device)
-    return (weight.device.index, stream.cuda_stream, *layout_key(weight, lora_A, lora_B, scaling, fan_in_fan_out))
+    key = (weight.device.index, stream.cuda_stream, *layout_key(weight, lora_A, lora_B, scaling, fan_in_fan_out))
+    return key if magnitude is None else (*key, _layout(magnitude))
 
 
-def _capture(key: tuple, terms: Callable[[torch.Tensor], torch.Tensor], G: torch.Tensor, device: torch.device) -> tuple:
-    """Capture ``terms(G)``'s launches on a side stream into a graph of the (device, stream)
+def _capture(key: tuple, terms: Callable[[], torch.Tensor], device: torch.device) -> tuple:
+    """Capture ``terms()``'s launches on a side stream into a graph of the (device, stream)
     pool; returns (graph, its static (4, d_out) output). Nothing runs during a capture."""
     pool = _pools.get(key[:2])
     if pool is None:
@@ -138,7 +139,7 @@ def _capture(key: tuple, terms: Callable[[torch.Tensor], torch.Tensor], G: torch
     with torch.cuda.stream(side):
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
-            out = terms(G)
+            out = terms()
         except BaseException:
             _end_capture(graph, device, pool, raising=False)  # the launches' own error is the one to report
             raise
@@ -198,14 +199,14 @@ def _room() -> bool:
 
 def graphed_norm(
     weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, fan_in_fan_out: bool,
-    gram: Callable[[torch.Tensor], torch.Tensor], terms: Callable[[torch.Tensor], torch.Tensor],
+    terms: Callable[[], torch.Tensor], magnitude: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The (4, d_out) fp32 terms (base, cross, lora, norm) of this norm, or None where graphs
     are not used for this call (the module docstring says when; the caller then launches).
-    ``gram(out)`` writes G = A·Aᵀ into ``out`` (eagerly, on the current stream: a cuBLAS call
-    captured on another stream would give that stream a 32 MiB workspace of its own on Hopper);
-    ``terms(G)`` launches the rest of exactly this norm, which is what a graph holds."""
-    key = _key(weight, lora_A, lora_B, scaling, fan_in_fan_out)
+    ``magnitude``: the m that ``terms()`` reads too (rows n_safe and g: (6, d_out)), part of the key.
+    ``terms()`` launches exactly this norm, all of it (no cuBLAS: a cuBLAS GEMM captured on a
+    side stream would get a 32 MiB workspace of its own on Hopper), which is what a graph holds."""
+    key = _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude)
     if key is None or _state["off"]:
         return None
     # Outside inference mode: what is made here outlives this call, and an inference tensor
@@ -225,14 +226,9 @@ def graphed_norm(
                 while len(_seen) > MAX_SEEN:
                     _seen.popitem(last=False)
                 return None
-        gram_key = (key[0], key[1], lora_A.shape[0])
-        G = _grams.get(gram_key)
-        if G is None:
-            G = _grams[gram_key] = torch.empty(gram_key[2], gram_key[2], dtype=torch.float32, device=weight.device)
-        gram(G)
         if entry is None:
             try:
-                graph, out = _capture(key, terms, G, weight.device)
+                graph, out = _capture(key, terms, weight.device)
             except Exception as error:  # noqa: BLE001 (any failure to capture: the eager launches still work)
                 # Off for the rest of the process (until clear()): a failed capture is usually
                 # memory running out at the peak of a forward, and its pool is not reused.
@@ -240,14 +236,13 @@ def graphed_norm(
                 # pools that no failed capture touched goes back to the allocator.
                 _graphs.clear()
                 _seen.clear()
-                _grams.clear()
                 _pools.clear()
                 _state["off"] = True
                 _stats["failed"] += 1
                 warnings.warn(f"doracheck: capturing a norm graph failed ({type(error).__name__}: {error}); "
                               "norms are launched without graphs from now on", RuntimeWarning, stacklevel=2)
                 return None
-            entry = _graphs[key] = [graph, out, _refs(weight, lora_A, lora_B), G]
+            entry = _graphs[key] = [graph, out, _refs(weight, lora_A, lora_B)]
             _stats["captures"] += 1
         elif not _alive(entry[2], weight, lora_A, lora_B):
             entry[2] = _refs(weight, lora_A, lora_B)  # other tensors now at those addresses and layouts

@@ -12,8 +12,7 @@ Kernels:
   cross, then (B, G, B) for lora. Partials are summed afterwards in a fixed order.
   With N_SUB = 3 one program covers three BLOCK_N-wide column tiles from one load of each X tile
   (r = 384 as 3 × 128 columns, where one 256-wide tile pair would pad it to 512).
-- ``_gram_kernel``: split-K partials of G = A·Aᵀ, (SPLIT, r, r) fp32, summed in a fixed order
-  (16-bit A on CUDA: cuBLAS's fp32-output GEMM instead, see ``gram_triton``).
+- ``_gram_kernel``: split-K partials of G = A·Aᵀ, (SPLIT, r, r) fp32, summed in a fixed order.
 - ``_norm_finish_kernel``: sums the partials in a fixed order and combines the terms into n.
 No atomics anywhere: the norm is bitwise deterministic.
 
@@ -36,9 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .constants import EPS
 from .norm_torch import FactoredNorm
 from .settings import gram_config, rowdot_config
-from .triton_common import cdiv, dot_acc, interpreting, launcher
+from .triton_common import cdiv, dot_acc, interpreting, launcher, tracing
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -166,16 +166,19 @@ def _rowdot_kernel(
 
 @triton.jit
 def _norm_finish_kernel(
-    terms_ptr, stride_tr,  # out: (4, M) fp32 rows base, cross, lora, norm
+    terms_ptr, stride_tr,  # out: (4, M) fp32 rows base, cross, lora, norm; (6, M) with n_safe, g
     cross_part_ptr, stride_cp, n_cross,  # (n_cross, M) fp32 partials of the cross term
     sq_ptr, stride_sp, n_sq,  # (n_sq, M) fp32 partials of the base term
     lora_part_ptr, stride_lp, n_lora,  # (n_lora, M) fp32 partials of the lora term
-    M, scaling,
-    BLOCK: tl.constexpr,
+    mag_ptr,  # (M,) magnitude m, stride 1 (read only WITH_G)
+    M, scaling, eps,
+    WITH_G: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """base = Σ_p sq[p], cross = Σ_p cross_part[p], lora = Σ_p lora_part[p] (p in order:
     deterministic); norm = sqrt(max(base + 2s·cross + s²·lora, 0)) (NaN propagates), all fp32,
-    stored as the rows of ``terms`` (one output tensor: no two pointer arguments alias one)."""
+    stored as the rows of ``terms`` (one output tensor: no two pointer arguments alias one).
+    WITH_G: also n_safe = max(norm, eps) (NaN stays NaN, as torch.clamp_min) and g = m / n_safe
+    correctly rounded (as torch divides an fp32 or 16-bit m by fp32), rows 4 and 5."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < M
     s = tl.cast(scaling, tl.float32)
@@ -190,10 +193,17 @@ def _norm_finish_kernel(
         base += tl.load(sq_ptr + p * stride_sp + rows, mask=ok, other=0.0)
     squared = base + (2.0 * s) * cross + (s * s) * lora
     squared = tl.where(squared < 0.0, 0.0, squared)  # rounding below 0 where W cancels s·B·A; NaN stays
+    norm = tl.sqrt_rn(squared)
     tl.store(terms_ptr + rows, base, mask=ok)
     tl.store(terms_ptr + stride_tr + rows, cross, mask=ok)
     tl.store(terms_ptr + 2 * stride_tr + rows, lora, mask=ok)
-    tl.store(terms_ptr + 3 * stride_tr + rows, tl.sqrt_rn(squared), mask=ok)
+    tl.store(terms_ptr + 3 * stride_tr + rows, norm, mask=ok)
+    if WITH_G:
+        floor = tl.cast(eps, tl.float32)
+        n_safe = tl.where(norm < floor, floor, norm)  # NaN < eps is false: NaN stays
+        m = tl.load(mag_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+        tl.store(terms_ptr + 4 * stride_tr + rows, n_safe, mask=ok)
+        tl.store(terms_ptr + 5 * stride_tr + rows, tl.math.div_rn(m, n_safe), mask=ok)
 
 
 @triton.jit
@@ -228,22 +238,19 @@ def _dot_setup(x_dtype: torch.dtype, y_dtype: torch.dtype, pieces: int = 2):
     return _TL_DTYPE[x_dtype], (pieces if y_dtype != x_dtype else 1), "ieee"
 
 
-_HAS_MM_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
-
-
 def gram_triton(lora_A: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """G = A·Aᵀ in fp32 (r, r), deterministic split-K: exact products for 16-bit A
-    (tensor cores, fp32 accumulation), tf32x3 for fp32 A.
+    (tensor cores, fp32 accumulation), tf32x3 for fp32 A. ``out``: an fp32 (r, r) tensor to
+    write G into (the same bits as a new one).
 
-    16-bit A on CUDA goes to cuBLAS instead, through its fp32-output GEMM (``aten::mm.dtype``,
-    torch >= 2.8): the same exact products and fp32 accumulation, one op instead of three, and
-    faster (H200, r = 384, d_in = 8192: 9.5 µs against 17.0 µs for this kernel, GPU time from
-    graph replays; benchmarks/results/kernels_h200.csv). cuBLAS is deterministic on one stream.
-    ``out``: an fp32 (r, r) tensor to write G into (the same bits as a new one)."""
-    if lora_A.is_cuda and lora_A.dtype in (torch.bfloat16, torch.float16) and _HAS_MM_DTYPE:
-        if out is not None:
-            return torch.mm(lora_A, lora_A.t(), out_dtype=torch.float32, out=out)
-        return torch.mm(lora_A, lora_A.t(), out_dtype=torch.float32)
+    Triton for every dtype, so a norm's CUDA graph (``norm_graphs``) holds the Gram product with
+    the rest of the norm. cuBLAS's fp32-output GEMM (``aten::mm.dtype``) is faster on the GPU
+    (H200, r = 384, d_in = 8192: 9.5 µs against 17.0 µs, benchmarks/results/kernels_h200.csv) but
+    was launched eagerly before each replay (a cuBLAS GEMM captured on a side stream gets a 32 MiB
+    workspace of its own on Hopper), and that launch cost more host time than the replay itself:
+    1.1% of py-spy's samples of the model step at that line, against 0.6% for the replay (H200
+    host, 2026-12-02, benchmarks/results/host_sample_tenth_base_h200.txt). The training step is
+    host-bound; 8 µs of GPU work per layer and step is not."""
     r, d_in = lora_A.shape
     dot_dtype, split_lo, precision = _dot_setup(lora_A.dtype, lora_A.dtype)
     cfg = gram_config(r, d_in)
@@ -312,12 +319,15 @@ def rowdot_parts(
     return part, sq
 
 
-def norm_finish(cross_part: torch.Tensor, sq: torch.Tensor, lora_part: torch.Tensor, scaling: float) -> torch.Tensor:
+def norm_finish(cross_part: torch.Tensor, sq: torch.Tensor, lora_part: torch.Tensor, scaling: float,
+                magnitude: torch.Tensor | None = None) -> torch.Tensor:
     """The terms as the rows of one fp32 (4, M) tensor, (base, cross, lora, norm), from the
     row-dot partials (``sq``: (splits, M)): one launch for the ordered sums and ``combine_terms``
-    (which took six ops on the host). One tensor, so a graph replay copies it out in one op."""
+    (which took six ops on the host). One tensor, so a graph replay copies it out in one op.
+    With ``magnitude`` (M,) of stride 1: (6, M), rows 4 and 5 n_safe = max(norm, eps) and
+    g = m / n_safe (the two host ops a training forward ran after the norm)."""
     M = sq.shape[1]
-    terms = torch.empty(4, M, dtype=torch.float32, device=sq.device)
+    terms = torch.empty(4 if magnitude is None else 6, M, dtype=torch.float32, device=sq.device)
     if M:
         block = 1024 if not interpreting() else 32
         launcher(_norm_finish_kernel)[(cdiv(M, block),)](
@@ -325,17 +335,27 @@ def norm_finish(cross_part: torch.Tensor, sq: torch.Tensor, lora_part: torch.Ten
             cross_part, cross_part.stride(0), cross_part.shape[0],
             sq, sq.stride(0), sq.shape[0],
             lora_part, lora_part.stride(0), lora_part.shape[0],
-            M, float(scaling),
-            BLOCK=block, num_warps=4,
+            magnitude if magnitude is not None else _unused(sq),
+            M, float(scaling), EPS,
+            WITH_G=magnitude is not None, BLOCK=block, num_warps=4,
         )
     return terms
 
 
+def _unused(like: torch.Tensor) -> torch.Tensor:
+    """A pointer argument the kernel never reads: a 1-element buffer of its own while tracing
+    (a tensor passed as two pointer arguments made Inductor miscompute, ``rowdot_parts`` says
+    how), ``like`` itself in eager (no allocation)."""
+    return torch.empty(1, dtype=like.dtype, device=like.device) if tracing() else like
+
+
 def terms_from_gram(
-    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, G: torch.Tensor, scaling: float, fan_in_fan_out: bool
+    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, G: torch.Tensor, scaling: float, fan_in_fan_out: bool,
+    magnitude: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(4, d_out) fp32 rows (base, cross, lora, norm) given G = A·Aᵀ: the three Triton launches
-    of the norm after the Gram product (what ``norm_graphs`` captures)."""
+    of the norm after the Gram product; with ``magnitude``, (6, d_out) with n_safe and g too
+    (``norm_finish``)."""
     if fan_in_fan_out:
         strides = (weight.stride(1), weight.stride(0))
     else:
@@ -348,7 +368,15 @@ def terms_from_gram(
     # (tf32x3; this GEMM has K = r, so it is cheap) unless B is bf16, whose range is fp32's.
     B_dot = lora_B if lora_B.dtype != torch.float16 else lora_B.float()
     lora_part, _ = rowdot_parts(B_dot, (B_dot.stride(0), B_dot.stride(1)), G, B_dot, compute_base=False, pieces=3)
-    return norm_finish(cross_part, sq, lora_part, scaling)
+    return norm_finish(cross_part, sq, lora_part, scaling, magnitude)
+
+
+def norm_terms(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, fan_in_fan_out: bool,
+               magnitude: torch.Tensor | None = None) -> torch.Tensor:
+    """(4, d_out) fp32 rows (base, cross, lora, norm), or (6, d_out) with n_safe and g given
+    ``magnitude``: every launch of the norm, the Gram product included (what ``norm_graphs``
+    captures and replays)."""
+    return terms_from_gram(weight, lora_A, lora_B, gram_triton(lora_A), scaling, fan_in_fan_out, magnitude)
 
 
 def factored_norm_triton(
@@ -359,8 +387,6 @@ def factored_norm_triton(
     *,
     fan_in_fan_out: bool = False,
 ) -> FactoredNorm:
-    """Same contract as ``factored_norm_torch`` (fp32 terms); ``U`` is not materialised (None),
-    ``G`` is the fp32 Gram matrix A·Aᵀ."""
-    G = gram_triton(lora_A)
-    base, cross, lora, norm = terms_from_gram(weight, lora_A, lora_B, G, scaling, fan_in_fan_out).unbind(0)
-    return FactoredNorm(base, cross, lora, norm, None, G)
+    """Same contract as ``factored_norm_torch`` (fp32 terms); ``U`` and ``G`` are not kept (None)."""
+    base, cross, lora, norm = norm_terms(weight, lora_A, lora_B, scaling, fan_in_fan_out).unbind(0)
+    return FactoredNorm(base, cross, lora, norm, None, None)

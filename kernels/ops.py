@@ -20,6 +20,8 @@ pointer arguments: that made Inductor miscompute the norm (norm_triton.rowdot_tr
 
 Ops (namespace ``doracheck``):
 - ``factored_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out) -> (base, cross, lora, norm)``
+  (eager also ``scaled_norm``, not a registered op: the same and n_safe, g = m / n_safe as one
+  (6, d_out) tensor; while tracing the backend composes it from ``factored_norm``)
 - ``lora_up_compose(base, xa, lora_B, g, bias?, scaling) -> y``
 - ``lora_up_compose_save_z(base, xa, lora_B, g, bias?, scaling, base_has_bias) -> (y, z)``: also
   z = base + s·lora (with ``base_has_bias`` base is x·Wᵀ + b, as a PEFT base layer returns it)
@@ -43,7 +45,7 @@ from .compose_torch import magnitude_scale
 from .compose_triton import grad_scale_dm_triton, lora_up_compose_triton
 from .lost_rows_triton import dm_finish_triton
 from .norm_graphs import graphed_norm
-from .norm_triton import factored_norm_triton, gram_triton, terms_from_gram
+from .norm_triton import factored_norm_triton, norm_terms
 from .triton_common import tracing
 
 
@@ -60,11 +62,24 @@ def _factored_norm_eager(
     """Eager: replayed from a CUDA graph where ``norm_graphs`` allows it (bitwise the same
     launches), else launched."""
     terms = graphed_norm(
-        weight, lora_A, lora_B, scaling, fan_in_fan_out,
-        gram=lambda out: gram_triton(lora_A, out=out),
-        terms=lambda G: terms_from_gram(weight, lora_A, lora_B, G, scaling, fan_in_fan_out),
+        weight, lora_A, lora_B, scaling, fan_in_fan_out, lambda: norm_terms(weight, lora_A, lora_B, scaling, fan_in_fan_out),
     )
     return terms.unbind(0) if terms is not None else _factored_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out)
+
+
+def _scaled_norm_eager(
+    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, magnitude: torch.Tensor, scaling: float,
+    fan_in_fan_out: bool,
+) -> torch.Tensor:
+    """Eager only: the (6, d_out) fp32 rows (base, cross, lora, norm, n_safe, g) of the norm and
+    g = m / max(n, eps), from one CUDA graph replay where ``norm_graphs`` allows it (else
+    launched): a training forward's norm and g in one host call instead of three (m of stride 1,
+    fp32 or 16-bit: ``backends`` checks)."""
+    def terms():
+        return norm_terms(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude)
+
+    rows = graphed_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out, terms, magnitude)
+    return rows if rows is not None else terms()
 
 
 def _lora_up_compose_(
@@ -180,6 +195,7 @@ dm_finish_op = triton_op("doracheck::dm_finish", _guarded(_dm_finish), mutates_a
 
 _EAGER: dict[str, Callable[..., Any]] = {
     "factored_norm": _factored_norm_eager,
+    "scaled_norm": _scaled_norm_eager,  # eager only: backends routes traced calls to the composite
     "lora_up_compose_": _lora_up_compose_,
     "lora_up_compose_save_z_": _lora_up_compose_save_z_,
     "lora_up_compose_dropout": _lora_up_compose_dropout,

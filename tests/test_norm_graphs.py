@@ -37,48 +37,41 @@ class _FakeGraph:
 
 def _fake_cuda(monkeypatch, key_of):
     """Stand-ins for the CUDA part: the key is ``key_of(weight)``, a capture returns a graph that
-    counts its replays and the output ``terms(G)`` gave at capture."""
-    monkeypatch.setattr(norm_graphs, "_key", lambda w, a, b, s, f: (0, 0, *key_of(w)) if key_of(w) else None)
-    monkeypatch.setattr(norm_graphs, "_capture", lambda key, terms, G, device: (_FakeGraph(), terms(G)))
+    counts its replays and the output ``terms()`` gave at capture."""
+    monkeypatch.setattr(norm_graphs, "_key", lambda w, a, b, s, f, m=None: (0, 0, *key_of(w)) if key_of(w) else None)
+    monkeypatch.setattr(norm_graphs, "_capture", lambda key, terms, device: (_FakeGraph(), terms()))
 
 
 _A_OF: dict = {}  # id(w) -> (weak reference to w, its A): each stand-in layer's A lives as long as w
 
 
-def _graphed(w, terms, grams=None):
+def _graphed(w, terms):
     """graphed_norm for a stand-in layer (W = B = ``w``, A a (2, len(w)) tensor that lives as
     long as ``w``)."""
-    def gram(out):
-        if grams is not None:
-            grams.append(out)
-        return out.fill_(1.0)
-
     ref, A = _A_OF.get(id(w), (None, None))
     if ref is None or ref() is not w:
         A = torch.ones(2, w.shape[0])
         _A_OF[id(w)] = (weakref.ref(w), A)
-    return norm_graphs.graphed_norm(w, A, w, 1.0, False, gram, terms)
+    return norm_graphs.graphed_norm(w, A, w, 1.0, False, terms)
 
 
 def test_a_key_is_captured_on_its_second_sighting_and_replays_hand_out_copies(monkeypatch):
     _fake_cuda(monkeypatch, lambda w: ("layer", id(w)))
     w = torch.ones(3)
-    captured, grams = [], []
+    captured = []
 
-    def terms(G):
-        captured.append(G)
+    def terms():
+        captured.append(1)
         return torch.arange(12.0).view(4, 3)
 
-    assert _graphed(w, terms, grams) is None  # first sighting: the caller launches
-    assert captured == [] and grams == []
-    first = _graphed(w, terms, grams)
-    assert first is not None and len(captured) == 1  # captured once, reading the shared G
-    assert captured[0] is grams[0] and captured[0].shape == (2, 2)
+    assert _graphed(w, terms) is None  # first sighting: the caller launches
+    assert captured == []
+    first = _graphed(w, terms)
+    assert first is not None and len(captured) == 1  # captured once: all of the norm, G included
     assert first.tolist() == torch.arange(12.0).view(4, 3).tolist()
     first[3].fill_(-1.0)  # a caller writing its result must not reach the static output
-    second = _graphed(w, terms, grams)
-    assert second[3].tolist() == [9.0, 10.0, 11.0] and len(captured) == 1
-    assert len(grams) == 2 and grams[1] is grams[0]  # G rewritten before every replay
+    second = _graphed(w, terms)
+    assert second[3].tolist() == [9.0, 10.0, 11.0] and len(captured) == 1  # replayed, nothing launched
     assert norm_graphs.stats() == {"captures": 1, "replays": 2, "failed": 0, "graphs": 1}
 
 
@@ -86,7 +79,7 @@ def test_no_key_means_no_graph(monkeypatch):
     _fake_cuda(monkeypatch, lambda w: None)
     w = torch.ones(2)
     for _ in range(3):
-        assert _graphed(w, lambda G: torch.zeros(4, 2)) is None
+        assert _graphed(w, lambda: torch.zeros(4, 2)) is None
     assert norm_graphs.stats()["graphs"] == 0
 
 
@@ -98,7 +91,7 @@ def test_at_the_cap_only_graphs_of_freed_tensors_make_room(monkeypatch):
     ws = [torch.full((2,), float(i)) for i in range(3)]
 
     def run(w):
-        return _graphed(w, lambda G: torch.zeros(4, 2))
+        return _graphed(w, lambda: torch.zeros(4, 2))
 
     for w in ws[:2]:
         run(w), run(w)
@@ -117,13 +110,13 @@ def test_at_the_cap_a_graph_whose_W_was_freed_makes_room_too(monkeypatch):
     are dropped at the cap like those of a freed B."""
     import gc
 
-    monkeypatch.setattr(norm_graphs, "_key", lambda w, a, b, s, f: (0, 0, "layer", id(w)))
-    monkeypatch.setattr(norm_graphs, "_capture", lambda key, terms, G, device: (_FakeGraph(), terms(G)))
+    monkeypatch.setattr(norm_graphs, "_key", lambda w, a, b, s, f, m=None: (0, 0, "layer", id(w)))
+    monkeypatch.setattr(norm_graphs, "_capture", lambda key, terms, device: (_FakeGraph(), terms()))
     monkeypatch.setattr(norm_graphs, "MAX_GRAPHS", 1)
     A, B = torch.ones(2, 3), torch.ones(3)
 
     def run(W):
-        return norm_graphs.graphed_norm(W, A, B, 1.0, False, lambda out: out.fill_(1.0), lambda G: torch.zeros(4, 3))
+        return norm_graphs.graphed_norm(W, A, B, 1.0, False, lambda: torch.zeros(4, 3))
 
     W1 = torch.ones(3)
     run(W1), run(W1)
@@ -139,18 +132,18 @@ def test_at_the_cap_a_graph_whose_W_was_freed_makes_room_too(monkeypatch):
 def test_a_failed_capture_turns_graphs_off_for_the_process_until_clear(monkeypatch):
     attempts = []
 
-    def failing(key, terms, G, device):
+    def failing(key, terms, device):
         attempts.append(key)
         raise RuntimeError("out of memory while capturing")
 
-    monkeypatch.setattr(norm_graphs, "_key", lambda w, a, b, s, f: (0, 0, "layer", id(w)))
+    monkeypatch.setattr(norm_graphs, "_key", lambda w, a, b, s, f, m=None: (0, 0, "layer", id(w)))
     monkeypatch.setattr(norm_graphs, "_capture", failing)
     w, other = torch.ones(3), torch.ones(3)
     with pytest.warns(RuntimeWarning, match="capturing a norm graph failed"):
         for _ in range(4):
-            assert _graphed(w, lambda G: torch.zeros(4, 3)) is None
+            assert _graphed(w, lambda: torch.zeros(4, 3)) is None
     for _ in range(3):  # another layer: no capture attempted either
-        assert _graphed(other, lambda G: torch.zeros(4, 3)) is None
+        assert _graphed(other, lambda: torch.zeros(4, 3)) is None
     assert len(attempts) == 1 and norm_graphs.stats()["failed"] == 1 and not norm_graphs.enabled()
     norm_graphs.clear()
     assert norm_graphs.enabled()
@@ -186,7 +179,7 @@ def test_a_capture_that_fails_to_end_hands_the_pool_back_to_the_allocator(monkey
     calls: list = []
     _fake_capture_that_fails_to_end(monkeypatch, calls)
     with pytest.raises(RuntimeError, match="stream is capturing"):
-        norm_graphs._capture((0, 0), lambda G: G, torch.zeros(2, 2), torch.device("cuda", 0))
+        norm_graphs._capture((0, 0), lambda: torch.zeros(2, 2), torch.device("cuda", 0))
     assert calls == [("begin", "pool"), ("end", 0, "pool")]
 
 
@@ -194,16 +187,16 @@ def test_a_capture_whose_launches_fail_reports_their_error_not_the_end_of_captur
     calls: list = []
     _fake_capture_that_fails_to_end(monkeypatch, calls)
 
-    def out_of_memory(G):
+    def out_of_memory():
         raise torch.OutOfMemoryError("CUDA out of memory while capturing")
 
     with pytest.raises(torch.OutOfMemoryError):
-        norm_graphs._capture((0, 0), out_of_memory, torch.zeros(2, 2), torch.device("cuda", 0))
+        norm_graphs._capture((0, 0), out_of_memory, torch.device("cuda", 0))
     assert calls == [("begin", "pool"), ("end", 0, "pool")]
 
 
 def test_no_forward_ad_inside_even_for_a_dual_A(monkeypatch):
-    """Leaving inference mode turns forward AD on too: G's out= GEMM on a dual A raised."""
+    """Leaving inference mode turns forward AD on too: an out= GEMM on a dual A raised."""
     import torch.autograd.forward_ad as fwAD
 
     _fake_cuda(monkeypatch, lambda w: ("layer", id(w)))
@@ -212,12 +205,14 @@ def test_no_forward_ad_inside_even_for_a_dual_A(monkeypatch):
     with fwAD.dual_level():
         A = fwAD.make_dual(torch.randn(2, 3), torch.randn(2, 3))
 
-        def gram(out):
+        def terms():
             modes.append(torch._C._is_fwd_grad_enabled())
-            return torch.mm(A, A.t(), out=out)
+            G = torch.empty(2, 2)
+            torch.mm(A, A.t(), out=G)
+            return torch.zeros(4, 3) + G.sum()
 
         for _ in range(3):
-            out = norm_graphs.graphed_norm(w, A, w, 1.0, False, gram, lambda G: torch.zeros(4, 3))
+            out = norm_graphs.graphed_norm(w, A, w, 1.0, False, terms)
     assert out is not None and modes and not any(modes)
 
 
@@ -225,32 +220,30 @@ def test_what_outlives_a_call_in_inference_mode_is_writable_outside_it(monkeypat
     _fake_cuda(monkeypatch, lambda w: ("layer", id(w)))
     w = torch.ones(3)
     with torch.inference_mode():
-        _graphed(w, lambda G: torch.zeros(4, 3))
-        assert _graphed(w, lambda G: torch.zeros(4, 3)) is not None  # captured here: G made here
-    assert _graphed(w, lambda G: torch.zeros(4, 3)) is not None  # G written outside inference mode
+        _graphed(w, lambda: torch.zeros(4, 3))
+        assert _graphed(w, lambda: torch.zeros(4, 3)) is not None  # captured here: its output made here
+    out = _graphed(w, lambda: torch.zeros(4, 3))
+    assert out is not None and not out.is_inference()  # replayed outside inference mode
+    out.add_(1.0)
 
 
 @pytest.mark.parametrize("caller", ["grad", "no_grad", "inference_mode"])
-def test_gram_and_capture_run_without_grad_mode_whatever_the_caller(monkeypatch, caller):
-    """The norm is detached: G, the capture and the output carry no autograd history, from a
+def test_the_capture_runs_without_grad_mode_whatever_the_caller(monkeypatch, caller):
+    """The norm is detached: the capture and the output carry no autograd history, from a
     caller in grad mode, in no_grad (an autograd Function's forward) or in inference mode
-    (leaving inference mode to write G must not turn grad mode back on)."""
+    (leaving inference mode must not turn grad mode back on)."""
     _fake_cuda(monkeypatch, lambda w: ("layer", id(w)))
     w = torch.ones(3, requires_grad=True)
     modes = []
 
-    def gram(out):
-        modes.append(("gram", torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
-        return out.fill_(1.0)
-
-    def terms(G):
+    def terms():
         modes.append(("terms", torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
         return torch.stack([w * 2.0] * 4)
 
     context = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[caller]
     with context():
         for _ in range(3):
-            out = norm_graphs.graphed_norm(w, w[:, None].expand(-1, 2).t(), w, 1.0, False, gram, terms)
+            out = norm_graphs.graphed_norm(w, w[:, None].expand(-1, 2).t(), w, 1.0, False, terms)
     assert out is not None and out.grad_fn is None and not out.requires_grad
     assert modes and all(not grad and not inference for _, grad, inference in modes)
 
@@ -320,6 +313,34 @@ def test_replays_are_bitwise_the_eager_launches_and_follow_unseen_writes(adapter
 
 
 @cuda
+@pytest.mark.parametrize("m_dtype", [torch.bfloat16, torch.float32, torch.float16], ids=str)
+def test_the_scaled_norm_replay_is_bitwise_norm_clamp_and_division_and_follows_m(m_dtype):
+    """A training forward's norm, max(n, eps) and g = m / max(n, eps) from one replay (the
+    finish kernel forms the last two) are bitwise the three steps they replace: the norm's
+    launches, torch.clamp_min, torch.div. On the first sighting (launched), the capture and the
+    replays, with W, A, B and m written through .data between calls (no version counter sees
+    it): the graph reads m where it is, as it reads W, A and B. A zero row of V gives g = m / eps."""
+    from doracheck.kernels.backends import triton_backend
+
+    backend = triton_backend()
+    W, A, B = _adapter(seed=5)
+    W[11], B[11] = 0.0, 0.0
+    m = (torch.rand(W.shape[0], generator=torch.Generator().manual_seed(5)) + 0.5).to("cuda", m_dtype)
+    for step in range(5):
+        fn, n_safe, g = backend.scaled_norm(W, A, B, m, 1.3, False)
+        base, cross, lora, n = _eager_terms(W, A, B, 1.3)
+        want_n_safe = torch.clamp_min(n, 1e-12)
+        want_g = torch.div(m, want_n_safe)
+        for name, got, want in (("base", fn.base, base), ("cross", fn.cross, cross), ("lora", fn.lora, lora),
+                                ("norm", fn.norm, n), ("n_safe", n_safe, want_n_safe), ("g", g, want_g)):
+            assert torch.equal(got, want), (step, name)
+        assert g.dtype == torch.float32 and g[11].item() == want_g[11].item() > 1e9
+        A.data.add_(0.01 * torch.randn_like(A))
+        m.data.mul_(1.01)
+    assert norm_graphs.stats()["captures"] == 1 and norm_graphs.stats()["replays"] == 4
+
+
+@cuda
 def test_a_replayed_result_is_not_overwritten_by_the_next_replay():
     W, A, B = _adapter(seed=1)
     for _ in range(2):
@@ -340,13 +361,13 @@ def test_a_failed_capture_leaves_the_allocator_usable_and_graphs_off():
     empty_cache asserted. Then graphs stay off and the eager launches run."""
     W, A, B = _adapter(seed=3)
 
-    def bad_terms(G):
+    def bad_terms():
         torch.cuda.synchronize()  # not permitted while the stream is being captured
         return torch.zeros(4, W.shape[0], device="cuda")
 
     with pytest.warns(RuntimeWarning, match="capturing a norm graph failed"):
         for _ in range(2):
-            assert norm_graphs.graphed_norm(W, A, B, 1.0, False, lambda out: out.zero_(), bad_terms) is None
+            assert norm_graphs.graphed_norm(W, A, B, 1.0, False, bad_terms) is None
     scratch = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
     del scratch
     torch.cuda.empty_cache()

@@ -1,0 +1,82 @@
+"""Summarise py-spy's raw (collapsed) stacks of ``host_sample_step.py``: where the host time goes.
+
+Each line of py-spy's ``--format raw`` output is ``frame;frame;...;leaf count``, a frame being
+``function (file:line)``. Samples taken while the model was built (imports, ``build``), while Triton compiled a
+kernel or a norm graph was captured are left out. Prints the share of samples per function counted inclusively (once per sample, wherever it
+is on the stack) for the functions whose file matches ``--files``, and the leaf lines (the line
+each sample was executing: C calls such as a kernel launch count towards the Python line that
+made them).
+
+    python benchmarks/stack_summary.py stacks.txt [--files doracheck,kernels,peft] [--top 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections import Counter
+
+_FRAME = re.compile(r"^(?P<fn>.*?) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
+# The model's construction, and one-off work of the first steps (Triton compiling a kernel,
+# a norm graph's capture) that a long run amortises.
+_SKIP = ("build (bench_model.py", "_find_and_load", "<module> (bench_model.py", "compile (triton/compiler/compiler.py",
+         "_capture (kernels/norm_graphs.py")
+
+
+def parse(lines):
+    """[(frames, count)] of the stacks, those of the model's construction left out."""
+    stacks = []
+    for raw in lines:
+        raw = raw.rstrip("\n")
+        if not raw:
+            continue
+        body, _, count = raw.rpartition(" ")
+        frames = body.split(";")
+        if any(any(s in f for s in _SKIP) for f in frames):
+            continue
+        stacks.append((frames, int(count)))
+    return stacks
+
+
+def _function(frame: str) -> str:
+    m = _FRAME.match(frame)
+    if not m:
+        return frame
+    return f"{m['fn']} ({m['file']})"
+
+
+def summarise(stacks, files: tuple[str, ...]) -> tuple[int, Counter, Counter]:
+    """(total samples, inclusive samples per function of ``files``, samples per leaf line)."""
+    total = 0
+    inclusive: Counter = Counter()
+    leaves: Counter = Counter()
+    for frames, count in stacks:
+        total += count
+        seen = {_function(f) for f in frames if any(part in f for part in files)}
+        for fn in seen:
+            inclusive[fn] += count
+        leaves[frames[-1]] += count
+    return total, inclusive, leaves
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("stacks")
+    ap.add_argument("--files", default="doracheck/,kernels/,peft/,checkpoint.py,autograd/function.py")
+    ap.add_argument("--top", type=int, default=40)
+    args = ap.parse_args()
+    with open(args.stacks) as f:
+        stacks = parse(f)
+    total, inclusive, leaves = summarise(stacks, tuple(args.files.split(",")))
+    print(f"{total} samples outside the model's construction")
+    print("== inclusive, by function")
+    for fn, n in inclusive.most_common(args.top):
+        print(f"{100 * n / total:6.1f}%  {fn}")
+    print("== leaf lines")
+    for fn, n in leaves.most_common(args.top):
+        print(f"{100 * n / total:6.1f}%  {fn}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
