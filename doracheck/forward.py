@@ -49,8 +49,10 @@ def in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def norm_with_floor(backend: Backend, weight, lora_A, lora_B, scaling: float, fan_in_fan_out: bool, need_factors: bool = False):
-    """(FactoredNorm, max(n, eps)), without autograd: the one place both are formed, for the
-    layer and for ``inference_norms``' buffers alike (so a buffer is bitwise the layer's own)."""
+    """(FactoredNorm, max(n, eps)), without autograd, for the layer's evaluation forwards and for
+    ``inference_norms``' buffers alike. A training forward gets both with g from
+    ``Backend.scaled_norm``, bitwise the same n and max(n, eps) (its Triton kernel forms max(n, eps)
+    as torch.clamp_min does; tests/test_norm_graphs.py), so a buffer is bitwise the layer's own."""
     with torch.no_grad():
         fn = backend.factored_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out, need_factors)
         return fn, torch.clamp_min(fn.norm, EPS)

@@ -10,7 +10,7 @@ Ops (``cd``: the compute dtype of ``base``; ``g`` = m / max(n, eps) in fp32; ``s
   ``need_factors`` asks for U = W·Aᵀ and G = A·Aᵀ too (the exact-norm backward), which only the
   torch twin forms: the Triton twin hands those calls to it.
 - ``scaled_norm(weight, lora_A, lora_B, m, s, fan_in_fan_out) -> (FactoredNorm, n_safe, g)``:
-  the norm (no U, G), n_safe = max(n, eps) and g = m / n_safe, without autograd on the norm;
+  the norm (no U, G), n_safe = max(n, eps) and g = m / n_safe, all without autograd;
   the Triton twin forms all of it in the norm's own launches (one CUDA graph replay).
 - ``compose_infer(base, xa, lora_B, m, n_safe, bias, s, base_has_bias) -> y``: inference,
   y = b + g⊙(base [- b] + s·xa·Bᵀ) with g = m / n_safe formed by the op.
@@ -66,11 +66,12 @@ def _norm_torch(weight, lora_A, lora_B, scaling, fan_in_fan_out, need_factors=Fa
 
 
 def _scaled_norm_composite(norm: Callable[..., FactoredNorm], weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out):
-    """(norm, n_safe, g) as three steps: ``norm``, torch.clamp_min, ``magnitude_scale``."""
+    """(norm, n_safe, g) as three steps: ``norm``, torch.clamp_min, ``magnitude_scale``; without
+    autograd, as the fused kernel's (the layer asks inside its autograd Function's forward)."""
     with torch.no_grad():
         fn = norm(weight, lora_A, lora_B, scaling, fan_in_fan_out)
         n_safe = torch.clamp_min(fn.norm, EPS)
-    return fn, n_safe, magnitude_scale(magnitude, n_safe)
+        return fn, n_safe, magnitude_scale(magnitude, n_safe)
 
 
 def _scaled_norm_torch(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out):

@@ -26,7 +26,7 @@ from . import fast_launch
 from .constants import EPS
 from .settings import compose_config, grad_config
 from .tracing import tracing
-from .triton_common import cdiv, dot_acc, interpreting, launcher, round_to
+from .triton_common import cdiv, dot_acc, interpreting, launcher, round_to, unused_pointer
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -140,14 +140,6 @@ def _grad_scale_dm_kernel(
     tl.store(part_ptr + pid_t * stride_pb + cols, part, mask=col_ok)
 
 
-def _unused_pointer(like: torch.Tensor, traced: bool) -> torch.Tensor:
-    """What to pass for a pointer argument the kernel never dereferences (its flag is off).
-    While tracing, a 1-element buffer of its own (of ``like``'s rank and dtype): a tensor passed as two pointer arguments made
-    Inductor treat them as aliases and miscompute (``norm_triton.rowdot_parts`` says how). In
-    eager ``like`` itself, which costs no allocation and is never read through that pointer."""
-    return torch.empty((1,) * like.dim(), dtype=like.dtype, device=like.device) if traced else like
-
-
 def lora_up_compose_triton(
     base: torch.Tensor,
     xa: torch.Tensor,
@@ -180,8 +172,8 @@ def _compose(base, xa, lora_B, g, scaling, bias, base_dropped, out, z_out, base_
     dot_dtype = _TL_DTYPE[xa.dtype]
     grid = (cdiv(T, cfg.block_m) * cdiv(d_out, cfg.block_n),)
     traced = tracing()
-    bd = base_dropped if base_dropped is not None else _unused_pointer(base, traced)
-    z = z_out if z_out is not None else _unused_pointer(y, traced)
+    bd = base_dropped if base_dropped is not None else unused_pointer(base, traced)
+    z = z_out if z_out is not None else unused_pointer(y, traced)
     args = (
         y, y.stride(0), y.stride(1),
         z, z.stride(0), z.stride(1),
@@ -189,8 +181,8 @@ def _compose(base, xa, lora_B, g, scaling, bias, base_dropped, out, z_out, base_
         bd, bd.stride(0), bd.stride(1),
         xa, xa.stride(0), xa.stride(1),
         lora_B, lora_B.stride(0), lora_B.stride(1),
-        g, bias if bias is not None else _unused_pointer(g, traced),
-        n_safe if n_safe is not None else _unused_pointer(g, traced),
+        g, bias if bias is not None else unused_pointer(g, traced),
+        n_safe if n_safe is not None else unused_pointer(g, traced),
         T, d_out, r, float(scaling),
     )
     constexprs = dict(
@@ -286,7 +278,7 @@ def grad_scale_dm_triton(
         part, part.stride(0),
         dy, dy.stride(0), dy.stride(1),
         saved, saved.stride(0), saved.stride(1),
-        g, n, bias if bias is not None else _unused_pointer(g, traced),
+        g, n, bias if bias is not None else unused_pointer(g, traced),
         T, d_out, EPS,
     )
     constexprs = dict(

@@ -1,7 +1,7 @@
 """The Triton factored norm replayed from a CUDA graph: one host call instead of its launches.
 
 A factored norm on the Triton path is a Gram product (with the sum of its split-K partials), two
-row-dot launches, a finish launch and six allocations. Its GPU work is 39-246 µs at the benchmark shapes, its host time
+row-dot launches, a finish launch and seven allocations. Its GPU work is 39-246 µs at the benchmark shapes, its host time
 0.30-0.36 ms (H200 host, torch 2.11, triton 3.6; docs/design.md section 7), and a training
 forward pays it every step (the norm changes with every optimizer step). The norm of one
 layer reads the same tensors at the same addresses step after step (optimizers write
@@ -26,9 +26,11 @@ When a graph is used (``graphed_norm`` returns None otherwise and the caller lau
   ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` (no caching allocator, no private pools).
 
 Memory: all graphs of one (device, stream) share one memory pool, so temporaries are held
-about once, not once per layer (G and its split-K partials, up to 14 × r × r fp32, 8 MiB at
-r = 384; for fp16 B an fp32 copy of B, d_out × r); each graph keeps its (4, d_out) fp32 output
-(229 KiB at d_out = 14336). Sharing is safe because a replay's output is copied out (one
+about once, not once per layer (G and its split-K partials, ``settings.gram_config``'s splits
+× r × r fp32: 8 MiB at r = 384, 8.6 MiB at r = 256; for fp16 B an fp32 copy of B, d_out × r);
+each graph keeps its (4, d_out) fp32 output, (6, d_out) for a training forward's graph, which
+also forms n_safe and g (344 KiB at d_out = 14336). A layer used both ways has two graphs (its
+evaluation's and its training's), so ``MAX_GRAPHS`` covers half as many such layers. Sharing is safe because a replay's output is copied out (one
 ``clone``) on the same stream before any other graph of that pool can be replayed: nothing a
 replay writes is read after the next replay. At most
 ``MAX_GRAPHS`` graphs are kept: at that many, the graphs one of whose W, A, B has been freed
@@ -62,7 +64,7 @@ MAX_GRAPHS = 2048
 MAX_SEEN = 8192
 
 _lock = threading.Lock()
-_graphs: dict[tuple, list] = {}  # key -> [graph, static (4, d_out) output, weak references to W, A, B]
+_graphs: dict[tuple, list] = {}  # key -> [graph, static (4 or 6, d_out) output, weak references to W, A, B]
 _seen: OrderedDict[tuple, int] = OrderedDict()  # key -> sightings before capture
 _pools: dict[tuple, Any] = {}  # (device, stream) -> memory pool handle shared by its graphs
 _capture_streams: dict[int, torch.cuda.Stream] = {}
@@ -100,10 +102,13 @@ def _layout(t: torch.Tensor) -> tuple:
     return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
 
 
-def layout_key(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, fan_in_fan_out: bool) -> tuple:
+def layout_key(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, fan_in_fan_out: bool,
+               magnitude: torch.Tensor | None = None) -> tuple:
     """What the captured launches read, besides device and stream: every tensor's address,
-    shape, strides and dtype, s and ``fan_in_fan_out``."""
-    return float(scaling), bool(fan_in_fan_out), _layout(weight), _layout(lora_A), _layout(lora_B)
+    shape, strides and dtype (the magnitude's too, for a graph that forms n_safe and g), s and
+    ``fan_in_fan_out``."""
+    key = (float(scaling), bool(fan_in_fan_out), _layout(weight), _layout(lora_A), _layout(lora_B))
+    return key if magnitude is None else (*key, _layout(magnitude))
 
 
 def _key(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, fan_in_fan_out: bool,
@@ -120,13 +125,12 @@ def _key(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scali
     if torch.cuda.is_current_stream_capturing():
         return None
     stream = torch.cuda.current_stream(weight.device)
-    key = (weight.device.index, stream.cuda_stream, *layout_key(weight, lora_A, lora_B, scaling, fan_in_fan_out))
-    return key if magnitude is None else (*key, _layout(magnitude))
+    return (weight.device.index, stream.cuda_stream, *layout_key(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude))
 
 
 def _capture(key: tuple, terms: Callable[[], torch.Tensor], device: torch.device) -> tuple:
     """Capture ``terms()``'s launches on a side stream into a graph of the (device, stream)
-    pool; returns (graph, its static (4, d_out) output). Nothing runs during a capture."""
+    pool; returns (graph, its static (4 or 6, d_out) output). Nothing runs during a capture."""
     pool = _pools.get(key[:2])
     if pool is None:
         pool = _pools[key[:2]] = torch.cuda.graph_pool_handle()

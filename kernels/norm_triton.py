@@ -13,7 +13,8 @@ Kernels:
   With N_SUB = 3 one program covers three BLOCK_N-wide column tiles from one load of each X tile
   (r = 384 as 3 × 128 columns, where one 256-wide tile pair would pad it to 512).
 - ``_gram_kernel``: split-K partials of G = A·Aᵀ, (SPLIT, r, r) fp32, summed in a fixed order.
-- ``_norm_finish_kernel``: sums the partials in a fixed order and combines the terms into n.
+- ``_norm_finish_kernel``: sums the partials in a fixed order and combines the terms into n;
+  given the magnitude m, also n_safe = max(n, eps) and g = m / n_safe (a training forward's).
 No atomics anywhere: the norm is bitwise deterministic.
 
 Precision: 16-bit X run on bf16/fp16 tensor cores with fp32 accumulation. A Y of another dtype
@@ -38,7 +39,7 @@ import triton.language as tl
 from .constants import EPS
 from .norm_torch import FactoredNorm
 from .settings import gram_config, rowdot_config
-from .triton_common import cdiv, dot_acc, interpreting, launcher, tracing
+from .triton_common import cdiv, dot_acc, interpreting, launcher, tracing, unused_pointer
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -170,7 +171,7 @@ def _norm_finish_kernel(
     cross_part_ptr, stride_cp, n_cross,  # (n_cross, M) fp32 partials of the cross term
     sq_ptr, stride_sp, n_sq,  # (n_sq, M) fp32 partials of the base term
     lora_part_ptr, stride_lp, n_lora,  # (n_lora, M) fp32 partials of the lora term
-    mag_ptr,  # (M,) magnitude m, stride 1 (read only WITH_G)
+    mag_ptr,  # (M,) magnitude m, stride 1 as g, bias and n_safe in the compose (read only WITH_G; the caller checks)
     M, scaling, eps,
     WITH_G: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -335,18 +336,11 @@ def norm_finish(cross_part: torch.Tensor, sq: torch.Tensor, lora_part: torch.Ten
             cross_part, cross_part.stride(0), cross_part.shape[0],
             sq, sq.stride(0), sq.shape[0],
             lora_part, lora_part.stride(0), lora_part.shape[0],
-            magnitude if magnitude is not None else _unused(sq),
+            magnitude if magnitude is not None else unused_pointer(sq, tracing()),
             M, float(scaling), EPS,
             WITH_G=magnitude is not None, BLOCK=block, num_warps=4,
         )
     return terms
-
-
-def _unused(like: torch.Tensor) -> torch.Tensor:
-    """A pointer argument the kernel never reads: a 1-element buffer of its own while tracing
-    (a tensor passed as two pointer arguments made Inductor miscompute, ``rowdot_parts`` says
-    how), ``like`` itself in eager (no allocation)."""
-    return torch.empty(1, dtype=like.dtype, device=like.device) if tracing() else like
 
 
 def terms_from_gram(

@@ -15,8 +15,9 @@ Every registered op is functional (no argument is mutated). In eager, ``call`` w
 place into the base output (``lora_up_compose_`` and ``lora_up_compose_save_z_``, saving a
 T×d_out buffer); while tracing it calls the functional op and returns a new y, and callers
 use the returned tensor either way, so a traced graph needs no mutation analysis for these
-buffers and leaves buffer reuse to Inductor. Kernel launches never pass one tensor as two
-pointer arguments: that made Inductor miscompute the norm (norm_triton.rowdot_triton says how).
+buffers and leaves buffer reuse to Inductor. Traced kernel launches never pass one tensor as two
+pointer arguments: that made Inductor miscompute the norm (norm_triton.rowdot_triton says how);
+in eager a pointer the kernel never reads may repeat another (``triton_common.unused_pointer``).
 
 Ops (namespace ``doracheck``):
 - ``factored_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out) -> (base, cross, lora, norm)``

@@ -169,7 +169,9 @@ def triton_norm_memory_bound(d_out: int, d_in: int, r: int, lora_B_dtype: torch.
     four more d_out vectors when the norm is replayed from a CUDA graph (kernels/norm_graphs.py:
     the graph's static output and the copy handed out; the call that captures holds both);
     plus an fp32 copy of B (d_out × r) when B is fp16 (the lora term's GEMM runs on it, since
-    fp16 pieces of G would overflow; norm_triton.factored_norm_triton)."""
+    fp16 pieces of G would overflow; norm_triton.factored_norm_triton). A training forward's
+    norm (``Backend.scaled_norm``) has two more output rows, n_safe and g, which replace the
+    tensors the clamp and the division made before; they are the layer's, not the norm's."""
     cfg = gram_config(r, d_in)
     n_tiles = -(-r // 64) if r else 1  # partial rows per term: 64-wide row-dot tiles (rowdot_config), split K = 1
     b_copy = d_out * r if lora_B_dtype == torch.float16 else 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 from torch.library import wrap_triton
@@ -36,6 +37,15 @@ def launcher(kernel, traced: bool | None = None):
     ``JITFunction.run`` on the H200 host with triton 3.6 (cProfile of the model step: 115 µs
     against 88 µs per launch; one layer's T = 1 train call 1839 against 1871 µs, within noise)."""
     return wrap_triton(kernel) if (tracing() if traced is None else traced) else kernel
+
+
+def unused_pointer(like: torch.Tensor, traced: bool) -> torch.Tensor:
+    """What to pass for a pointer argument the kernel never dereferences (its flag is off).
+    While tracing, a 1-element buffer of its own (of ``like``'s rank and dtype): a tensor passed
+    as two pointer arguments made Inductor treat them as aliases and miscompute
+    (``norm_triton.rowdot_parts`` says how). In eager ``like`` itself, which costs no allocation
+    and is never read through that pointer."""
+    return torch.empty((1,) * like.dim(), dtype=like.dtype, device=like.device) if traced else like
 
 
 def cdiv(a: int, b: int) -> int:

@@ -51,12 +51,19 @@ def _bf16_accumulated_terms(weight, lora_A, lora_B, scaling, *, fan_in_fan_out=F
 
 @contextlib.contextmanager
 def bf16_norm():
-    """Every backend's factored norm swapped for one that accumulates in bf16."""
+    """Every backend op that forms the norm swapped for one that accumulates in bf16: the
+    factored norm and the norm-with-g a training forward asks for (``scaled_norm``)."""
+    from doracheck.kernels.backends import _scaled_norm_composite
+
     original = doracheck.dispatch.backend_for
+
+    def mutant_norm(w, a, b, s, fif, need_factors=False):
+        return _bf16_accumulated_terms(w, a, b, s, fan_in_fan_out=fif)
 
     def bf16_norm_backend(*tensors):
         return original(*tensors)._replace(
-            factored_norm=lambda w, a, b, s, fif, need_factors=False: _bf16_accumulated_terms(w, a, b, s, fan_in_fan_out=fif)
+            factored_norm=mutant_norm,
+            scaled_norm=lambda w, a, b, m, s, fif: _scaled_norm_composite(mutant_norm, w, a, b, m, s, fif),
         )
 
     doracheck.dispatch.backend_for = bf16_norm_backend
@@ -146,6 +153,31 @@ def test_planted_bug_is_caught(name):
         results = run_suite(impl, dtypes, "quick", "cpu")
     failed = {r.prop for r in results if r.status == "FAIL"}
     assert expected in failed, f"{name}: expected {expected} to fail, failed: {sorted(failed)}"
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["training", "no_grad"])
+def test_the_bf16_norm_mutant_reaches_the_layer(training):
+    """The mutant must change what the layer computes in both kinds of forward, or the property
+    that catches it would be catching nothing of the layer (found in review: a training forward
+    asked ``scaled_norm``, which the mutant did not swap, and stored the clean norm for the no-grad
+    forward after it)."""
+    gen = torch.Generator().manual_seed(2)
+    W = torch.randn(24, 40, generator=gen)
+    A = torch.randn(6, 40, generator=gen) * 0.3
+    B = torch.randn(24, 6, generator=gen) * 0.3
+    m = torch.rand(24, generator=gen) + 0.5
+    x = torch.randn(5, 40, generator=gen)
+
+    def layer():
+        args = [t.clone().requires_grad_(training) for t in (x, W, A, B, m)]
+        with torch.set_grad_enabled(training):
+            return doracheck.dora_linear(args[0], args[1], args[2], args[3], args[4], 1.5).detach()
+
+    doracheck.norm_cache.clear_norm_cache()
+    clean = layer()
+    with bf16_norm():
+        mutated = layer()
+    assert not torch.equal(clean, mutated)
 
 
 def test_unmutated_doracheck_passes_the_same_suite():
