@@ -10,6 +10,8 @@
 #                                (ABSTEP_ROUNDS: the process pairs' numbers, default "1 2")
 #   decode                       decode_ab.py: eager decode, LoRA and doracheck interleaved in one process
 #   decode_ab                    the same, this checkout and .old/ in alternating processes, twice
+#   sample                       host_sample_step.py under py-spy (non-blocking, 250 Hz), LoRA and doracheck, and
+#                                stack_summary.py of each (needs the py-spy wheel in .tools/, carried)
 # .old/ holds `git archive` of the commit to compare against (ignored by git, named in carry).
 set -u
 source benchmarks/gpu_common.sh
@@ -46,6 +48,14 @@ if [[ $PARTS == *,abstep,* ]]; then
     [[ $PARTS == *,abstep_old,* && -n ${OLD:-} ]] && step abstep_old_$i 150 $OLD $PY ab_step.py --rounds 5 --steps 4 --csv "$R/ab_step_old_$i.csv" --configs "lora;dc"
   done
 fi
+if [[ $PARTS == *,sample,* ]]; then  # where the host time goes, without a tracing profiler's inflation
+  $PY -m pip install -q --no-deps ../.tools/py_spy*.whl >"$R/pyspy_install.log" 2>&1
+  for i in peft_lora_bf16 doracheck_bf16; do
+    step sample_$i 150 py-spy record --nonblocking --format raw --rate 250 -o "$R/stacks_$i.txt" -- \
+      $PY host_sample_step.py --impl $i --steps 40 --warmup 5
+    $PY stack_summary.py "$R/stacks_$i.txt" --rate 250 --steps 45 --top 70 >"$R/summary_$i.txt" && gzip -f "$R/stacks_$i.txt"
+  done
+fi
 if [[ $PARTS == *,decode,* ]]; then
   step decode_new 120 $PY decode_ab.py --new-tokens 64 --rounds 5 --csv "$R/decode_new.csv"
 fi
@@ -67,4 +77,5 @@ grep -E "per step under cProfile" "$R/cprofile.log" 2>/dev/null
 grep -v -E "^(DEBUG|WARNING|INFO)" "$R/gaps.log" 2>/dev/null | cut -c1-170 | tail -n 40
 for f in "$R"/abstep_*.log; do [[ -f $f ]] && { echo "$(basename "$f")"; tail -n 3 "$f"; }; done
 tail -n 4 "$R/decode_new.log" 2>/dev/null
+for i in peft_lora_bf16 doracheck_bf16; do [[ -f $R/summary_$i.txt ]] && { grep "per step" "$R/sample_$i.log"; head -n 12 "$R/summary_$i.txt" | cut -c1-120; }; done
 finish

@@ -8,6 +8,11 @@ each sample was executing: C calls such as a kernel launch count towards the Pyt
 made them).
 
     python benchmarks/stack_summary.py stacks.txt [--files doracheck,kernels,peft] [--top 40]
+        [--rate 250 --steps 45]
+
+With the sampling rate and the number of steps the profile covered (warm-up included), each
+line also gives ms of thread time a step (samples of all threads count, so shares of a whole
+step's threads, not of its wall time).
 """
 
 from __future__ import annotations
@@ -64,17 +69,19 @@ def main() -> int:
     ap.add_argument("stacks")
     ap.add_argument("--files", default="doracheck/,kernels/,peft/,checkpoint.py,autograd/function.py")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--rate", type=float, help="py-spy's --rate (samples a second per thread)")
+    ap.add_argument("--steps", type=int, help="steps the profile covered, warm-up included")
     args = ap.parse_args()
     with open(args.stacks) as f:
         stacks = parse(f)
     total, inclusive, leaves = summarise(stacks, tuple(args.files.split(",")))
-    print(f"{total} samples outside the model's construction")
-    print("== inclusive, by function")
-    for fn, n in inclusive.most_common(args.top):
-        print(f"{100 * n / total:6.1f}%  {fn}")
-    print("== leaf lines")
-    for fn, n in leaves.most_common(args.top):
-        print(f"{100 * n / total:6.1f}%  {fn}")
+    per_step = 1e3 / args.rate / args.steps if args.rate and args.steps else None
+    print(f"{total} samples outside the model's construction"
+          + (f", {total * per_step:.1f} ms of thread time a step" if per_step else ""))
+    for title, counts in (("inclusive, by function", inclusive), ("leaf lines", leaves)):
+        print(f"== {title}")
+        for fn, n in counts.most_common(args.top):
+            print(f"{100 * n / total:6.1f}%" + (f" {n * per_step:7.2f} ms" if per_step else "") + f"  {fn}")
     return 0
 
 
