@@ -18,38 +18,27 @@ import pstats
 import time
 
 import torch
-from bench_model import build
-from llama_model import add_llama_args
+from host_sample_step import add_step_args, make_step
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--impl", default="doracheck_bf16")
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--new-tokens", type=int, default=0)
-    add_llama_args(ap)
+    add_step_args(ap)
+    ap.set_defaults(steps=5, warmup=3)
     args = ap.parse_args()
-    model = build(args.impl, args, checkpointing=True)
-    ids = torch.randint(0, 32000, (1, args.seq), generator=torch.Generator().manual_seed(1)).to(args.device)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
-    model.train()
-
-    def step():
-        model(ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(3):
+    step = make_step(args)
+    for _ in range(args.warmup):
         step()
-    torch.cuda.synchronize()
+    if args.device == "cuda":
+        torch.cuda.synchronize()
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
     for _ in range(args.steps):
         step()
     prof.disable()
-    torch.cuda.synchronize()
+    if args.device == "cuda":
+        torch.cuda.synchronize()
     print(f"{args.impl}: {(time.perf_counter() - t0) / args.steps * 1e3:.1f} ms per step under cProfile")
     for key, n in (("tottime", 40), ("cumtime", 60)):
         out = io.StringIO()

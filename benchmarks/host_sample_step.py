@@ -15,15 +15,19 @@ from bench_model import build
 from llama_model import add_llama_args
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_step_args(ap: argparse.ArgumentParser) -> None:
+    """The arguments of the model step (``make_step``), shared with ``host_cprofile_step.py``."""
     ap.add_argument("--impl", default="doracheck_bf16")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--new-tokens", type=int, default=0)
     add_llama_args(ap)
-    args = ap.parse_args()
+
+
+def make_step(args):
+    """The model of ``bench_model.build`` (eager, gradient checkpointing) and one training step
+    of it: forward, backward, AdamW ``step()`` (fused on CUDA, foreach elsewhere), ``zero_grad``."""
     model = build(args.impl, args, checkpointing=True)
     ids = torch.randint(0, 32000, (1, args.seq), generator=torch.Generator().manual_seed(1)).to(args.device)
     fused = args.device == "cuda"
@@ -35,6 +39,14 @@ def main() -> int:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return step
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_step_args(ap)
+    args = ap.parse_args()
+    step = make_step(args)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     for _ in range(args.warmup):
         step()
