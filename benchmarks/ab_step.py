@@ -2,8 +2,9 @@
 process: the lent hosts differ by ±30% in host speed, and this step is host-bound, so two
 configurations are compared only within one process, round by round.
 
-Configurations: ``lora`` (PEFT LoRA, bf16 adapters) and ``dc:graphs=G,chunk=C`` (doracheck on
-the same PEFT DoRA model, CUDA-graph norm replays on (1) or off (0), backward chunk budget C MiB);
+Configurations: ``lora`` (PEFT LoRA, bf16 adapters) and ``dc:graphs=G,chunk=C,refresh=F`` (doracheck
+on the same PEFT DoRA model, CUDA-graph norm replays on (1) or off (0), backward chunk budget C MiB,
+the norm refresh after the optimizer step on (1, the default) or off (0));
 either with ``mt=0`` runs its backward on the calling thread (``set_multithreading_enabled(False)``).
 Each round runs every configuration for ``--steps`` timed steps after one untimed step; the
 row is the median over all rounds (CUDA events), with the host CPU time per step (process CPU
@@ -24,6 +25,7 @@ from bench_model import build
 from llama_model import add_llama_args
 from row_csv import RowWriter
 
+from doracheck import norm_cache
 from doracheck.kernels import norm_graphs, settings
 from doracheck.timing import quantile
 
@@ -73,6 +75,7 @@ def main(argv=None) -> int:
     def apply(c):
         os.environ["DORACHECK_NORM_GRAPHS"] = c.get("graphs", "1")
         settings.BACKWARD_CHUNK_BYTES = int(float(c.get("chunk", "16")) * 2**20)
+        norm_cache._REFRESH["on"] = c.get("refresh", "1") != "0"
 
     cuda = args.device == "cuda"
 
@@ -125,7 +128,7 @@ def main(argv=None) -> int:
                         "dtype": "bf16", **versions})
     if writer:
         writer.close()
-    print("norm graphs:", norm_graphs.stats(), file=sys.stderr)
+    print("norm graphs:", norm_graphs.stats(), "norm cache:", norm_cache.norm_cache_stats(), file=sys.stderr)
     if cuda:
         print(f"peak memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated, "
               f"{torch.cuda.max_memory_reserved() / 2**30:.2f} GiB reserved", file=sys.stderr)

@@ -8,17 +8,21 @@
 #   abstep, abstep_old           ab_step.py: eager step + fused AdamW (GC), LoRA and doracheck in one process
 #                                (this checkout; _old: the library in .old/), alternating new, old, new, old
 #                                (ABSTEP_ROUNDS: the process pairs' numbers, default "1 2")
+#   abrefresh                    ab_step.py: LoRA and doracheck with the norm refresh after the optimizer step on
+#                                and off, interleaved in one process (ABSTEP_ROUNDS processes)
+#   phases                       phase_lag.py: host, elapsed and GPU-only ms of forward, backward and optimizer step
 #   decode                       decode_ab.py: eager decode, LoRA and doracheck interleaved in one process
 #   decode_ab                    the same, this checkout and .old/ in alternating processes, twice
 #   sample                       host_sample_step.py under py-spy (non-blocking, 250 Hz), LoRA and doracheck, and
-#                                stack_summary.py of each (needs the py-spy wheel in .tools/, carried)
+#                                stack_summary.py of each (needs the py-spy wheel in .tools/, carried; SAMPLE_IMPLS:
+#                                which, default both)
 # .old/ holds `git archive` of the commit to compare against (ignored by git, named in carry).
 set -u
 source benchmarks/gpu_common.sh
 export CUDA_VISIBLE_DEVICES=0
 PARTS=",${1:-tests,memcheck,verify},"
 install_old
-GPU_TESTS="tests/test_norm_graphs.py tests/test_kernels_gpu.py tests/test_training_loops.py tests/test_autocast.py tests/test_zero_magnitude.py tests/test_inference_norms.py tests/test_compile_fullgraph.py tests/test_decode_plan_gpu.py tests/test_train_plan_gpu.py"
+GPU_TESTS="tests/test_norm_graphs.py tests/test_kernels_gpu.py tests/test_training_loops.py tests/test_norm_refresh.py tests/test_autocast.py tests/test_zero_magnitude.py tests/test_inference_norms.py tests/test_compile_fullgraph.py tests/test_decode_plan_gpu.py tests/test_train_plan_gpu.py"
 if [[ $PARTS == *,tests,* ]]; then
   # shellcheck disable=SC2086
   step gpu_tests 260 $PY -m pytest -m gpu -q -n 4 -p no:cacheprovider -rs $(ls $GPU_TESTS 2>/dev/null)
@@ -48,9 +52,17 @@ if [[ $PARTS == *,abstep,* ]]; then
     [[ $PARTS == *,abstep_old,* && -n ${OLD:-} ]] && step abstep_old_$i 150 $OLD $PY ab_step.py --rounds 5 --steps 4 --csv "$R/ab_step_old_$i.csv" --configs "lora;dc"
   done
 fi
+if [[ $PARTS == *,abrefresh,* ]]; then
+  for i in ${ABSTEP_ROUNDS:-1 2}; do
+    step abrefresh_$i 150 $PY ab_step.py --rounds 6 --steps 4 --csv "$R/ab_refresh_$i.csv" --configs "lora;dc:refresh=1;dc:refresh=0"
+  done
+fi
+if [[ $PARTS == *,phases,* ]]; then
+  step phases 200 $PY phase_lag.py --impls peft_lora_bf16,doracheck_bf16,doracheck_bf16:norefresh --steps 6 --csv "$R/phase_lag.csv"
+fi
 if [[ $PARTS == *,sample,* ]]; then  # where the host time goes, without a tracing profiler's inflation
   $PY -m pip install -q --no-deps ../.tools/py_spy*.whl >"$R/pyspy_install.log" 2>&1
-  for i in peft_lora_bf16 doracheck_bf16; do
+  for i in ${SAMPLE_IMPLS:-peft_lora_bf16 doracheck_bf16}; do
     step sample_$i 150 py-spy record --nonblocking --format raw --rate 250 -o "$R/stacks_$i.txt" -- \
       $PY host_sample_step.py --impl $i --steps 40 --warmup 5
     $PY stack_summary.py "$R/stacks_$i.txt" --rate 250 --steps 45 --top 70 >"$R/summary_$i.txt" && gzip -f "$R/stacks_$i.txt"
@@ -75,7 +87,8 @@ grep -v DEBUG "$R/retest.log" 2>/dev/null | grep -E "^(FAILED|ERROR)|passed|fail
 grep -A 13 "^== " "$R/profile.log" 2>/dev/null | cut -c1-150 | head -n 32
 grep -E "per step under cProfile" "$R/cprofile.log" 2>/dev/null
 grep -v -E "^(DEBUG|WARNING|INFO)" "$R/gaps.log" 2>/dev/null | cut -c1-170 | tail -n 40
-for f in "$R"/abstep_*.log; do [[ -f $f ]] && { echo "$(basename "$f")"; tail -n 3 "$f"; }; done
+grep -v -E "^(DEBUG|WARNING|INFO|\[)" "$R/phases.log" 2>/dev/null | tail -n 13
+for f in "$R"/abstep_*.log "$R"/abrefresh_*.log; do [[ -f $f ]] && { echo "$(basename "$f")"; tail -n 3 "$f"; }; done
 tail -n 4 "$R/decode_new.log" 2>/dev/null
 for i in peft_lora_bf16 doracheck_bf16; do [[ -f $R/summary_$i.txt ]] && { grep "per step" "$R/sample_$i.log"; head -n 12 "$R/summary_$i.txt" | cut -c1-120; }; done
 finish

@@ -24,6 +24,8 @@ and g = m / max(n, eps) is formed inside the compose.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import norm_cache, planner
@@ -58,6 +60,14 @@ def norm_with_floor(backend: Backend, weight, lora_A, lora_B, scaling: float, fa
         return fn, torch.clamp_min(fn.norm, EPS)
 
 
+def training_norm(backend: Backend, scaling: float, fan_in_fan_out: bool, weight, lora_A, lora_B, magnitude):
+    """(FactoredNorm without U, G; max(n, eps); g = m / max(n, eps)), without autograd: the value a
+    training forward stores, and the one ``norm_cache.refresh_after_step`` stores for it after an
+    optimizer step."""
+    fn, n_safe, g = backend.scaled_norm(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out)
+    return fn._replace(U=None, G=None), n_safe, g
+
+
 def norm_and_scale(backend: Backend, a: LayerArgs, *, need_g: bool, recording: bool):
     """(FactoredNorm, g = m / max(n, eps) or None, max(n, eps)). The norm, max(n, eps) and g may
     come from the norm cache (``norm_cache.lookup_or_compute`` says when; the magnitude is part
@@ -74,14 +84,16 @@ def norm_and_scale(backend: Backend, a: LayerArgs, *, need_g: bool, recording: b
 
         def compute_stored():
             if need_g:  # the norm, max(n, eps) and g in one backend call (the Triton one: one graph replay)
-                fn, n_safe, g = backend.scaled_norm(a.weight, a.lora_A, a.lora_B, a.magnitude, a.scaling, a.fan_in_fan_out)
-                return fn._replace(U=None, G=None), n_safe, g
+                return training_norm(backend, a.scaling, a.fan_in_fan_out, a.weight, a.lora_A, a.lora_B, a.magnitude)
             fn, n_safe = compute(False)
             return fn._replace(U=None, G=None), n_safe, None
 
+        # A training forward lets the optimizer-step hook recompute its value for the next step
+        # (norm_cache.refresh_after_step), with this very function, so bitwise what it would compute.
+        refresh = functools.partial(training_norm, backend, a.scaling, a.fan_in_fan_out) if need_g and recording else None
         fn, n_safe, g = norm_cache.lookup_or_compute(
             a.weight, a.lora_A, a.lora_B, a.scaling, a.fan_in_fan_out, compute_stored, tag=backend.name,
-            recording=recording, magnitude=a.magnitude,
+            recording=recording, magnitude=a.magnitude, refresh=refresh,
         )
         if not need_g:
             g = None
