@@ -11,6 +11,7 @@
 #   abrefresh                    ab_step.py: LoRA and doracheck with the norm refresh after the optimizer step on
 #                                and off, interleaved in one process (ABSTEP_ROUNDS processes)
 #   phases                       phase_lag.py: host, elapsed and GPU-only ms of forward, backward and optimizer step
+#   phases_reversed              the same, the models built in the other order
 #   decode                       decode_ab.py: eager decode, LoRA and doracheck interleaved in one process
 #   decode_ab                    the same, this checkout and .old/ in alternating processes, twice
 #   sample                       host_sample_step.py under py-spy (non-blocking, 250 Hz), LoRA and doracheck, and
@@ -60,6 +61,10 @@ fi
 if [[ $PARTS == *,phases,* ]]; then
   step phases 200 $PY phase_lag.py --impls peft_lora_bf16,doracheck_bf16,doracheck_bf16:norefresh --steps 6 --csv "$R/phase_lag.csv"
 fi
+if [[ $PARTS == *,phases_reversed,* ]]; then  # the same, doracheck's two models built in the other order
+  step phases_reversed 200 $PY phase_lag.py --impls doracheck_bf16:norefresh,doracheck_bf16,peft_lora_bf16 --steps 6 \
+    --csv "$R/phase_lag_reversed.csv"
+fi
 if [[ $PARTS == *,sample,* ]]; then  # where the host time goes, without a tracing profiler's inflation
   $PY -m pip install -q --no-deps ../.tools/py_spy*.whl >"$R/pyspy_install.log" 2>&1
   for i in ${SAMPLE_IMPLS:-peft_lora_bf16 doracheck_bf16}; do
@@ -87,7 +92,7 @@ grep -v DEBUG "$R/retest.log" 2>/dev/null | grep -E "^(FAILED|ERROR)|passed|fail
 grep -A 13 "^== " "$R/profile.log" 2>/dev/null | cut -c1-150 | head -n 32
 grep -E "per step under cProfile" "$R/cprofile.log" 2>/dev/null
 grep -v -E "^(DEBUG|WARNING|INFO)" "$R/gaps.log" 2>/dev/null | cut -c1-170 | tail -n 40
-grep -v -E "^(DEBUG|WARNING|INFO|\[)" "$R/phases.log" 2>/dev/null | tail -n 13
+grep -v -E "^(DEBUG|WARNING|INFO|\[)" "$R/phases.log" "$R/phases_reversed.log" 2>/dev/null | grep -E " step |impl"
 for f in "$R"/abstep_*.log "$R"/abrefresh_*.log; do [[ -f $f ]] && { echo "$(basename "$f")"; tail -n 3 "$f"; }; done
 tail -n 4 "$R/decode_new.log" 2>/dev/null
 for i in peft_lora_bf16 doracheck_bf16; do [[ -f $R/summary_$i.txt ]] && { grep "per step" "$R/sample_$i.log"; head -n 12 "$R/summary_$i.txt" | cut -c1-120; }; done

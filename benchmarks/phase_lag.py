@@ -95,6 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--hold-ms", type=float, default=80.0, help="GPU sleep before each phase of the GPU-only run")
     ap.add_argument("--csv")
+    ap.add_argument("--new-tokens", type=int, default=0)  # read by bench_model.build
+    ap.add_argument("--device", default="cuda")  # the same; the probe needs CUDA
     args, _ = ap.parse_known_args(argv)
     ids = torch.randint(0, 32000, (1, args.seq), generator=torch.Generator().manual_seed(1)).cuda()
     cycles = int(sleep_cycles_per_ms() * args.hold_ms)

@@ -72,7 +72,7 @@ from doracheck.numerics import our_numerics
 MAX_ENTRIES = 4096
 _lock = threading.RLock()  # re-entrant: the weakref callback may run inside a locked section
 # slot (id of lora_B) -> (weak refs to W, A, B; key; value; recipe or None; refreshed). recipe =
-# (refresh function, weak ref to m), kept by training forwards; refreshed: stored by the refresh
+# (refresh function, its settings, weak ref to m), kept by training forwards; refreshed: stored by the refresh
 # after an optimizer step and not yet read by a training forward (which may read it, once).
 _entries: OrderedDict[int, tuple] = OrderedDict()
 _stats = {"hits": 0, "misses": 0, "refreshed": 0}
@@ -229,9 +229,10 @@ def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, 
     autograd (a training forward; inside an autograd Function's forward grad mode is off, so
     the caller says). With ``magnitude`` the value may depend on it too (its version is part
     of the key); ``tag`` (the implementation path) is part of the key, so paths never share
-    entries. ``refresh(weight, lora_A, lora_B, magnitude)``: computes what ``compute()`` does
-    from the tensors given (holding none itself); a training forward that passes it lets
-    ``refresh_after_step`` recompute its value after the next optimizer step."""
+    entries. ``refresh = (function, settings)``: ``function([(settings, weight, lora_A, lora_B,
+    magnitude), ...])`` returns for each layer what its ``compute()`` would (``settings`` holds no
+    tensor); a training forward that passes it lets ``refresh_after_step`` recompute its value,
+    with other layers' in the same call, after the next optimizer step."""
     if not _cacheable() or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
         # Under CUDA graph capture the norm is part of the graph: a replay recomputes it from the
         # parameters as they are then; a stored tensor would be graph memory that replays overwrite.
@@ -275,7 +276,7 @@ def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, 
     refs = (weakref.ref(weight), weakref.ref(lora_A), weakref.ref(lora_B, lambda _r, s=slot: _forget(s)))
     recipe = None
     if refresh is not None and recording and not in_backward and magnitude is not None:
-        recipe = (refresh, weakref.ref(magnitude))
+        recipe = (refresh[0], refresh[1], weakref.ref(magnitude))
     _store(slot, refs, key, value, recipe, False)
     return value
 
@@ -292,10 +293,12 @@ def _store(slot: int, refs: tuple, key: tuple, value, recipe, refreshed: bool) -
 
 def refresh_after_step(optimizer) -> int:
     """Recompute, for the new era, the stored value of every layer a training forward used since
-    its last refresh and whose W, A, B or m ``optimizer`` holds (rule 1's exception, in
-    the module docstring). Runs in the optimizer-step post-hook, after ``_end_era``; returns how
-    many values it stored. Nothing while torch.compile traces, under FSDP2, while the current
-    stream is being captured into a CUDA graph, or with ``DORACHECK_NORM_REFRESH=0``."""
+    its last refresh and whose W, A, B or m ``optimizer`` holds (rule 1's exception, in the
+    module docstring), all of them in one call of their ``refresh`` function (the Triton
+    backend replays one CUDA graph for all). Runs in the optimizer-step post-hook, after
+    ``_end_era``; returns how many values it stored. Nothing while torch.compile traces, under
+    FSDP2, while the current stream is being captured into a CUDA graph, or with
+    ``DORACHECK_NORM_REFRESH=0``."""
     if not _REFRESH["on"] or not _cacheable():
         return 0
     with _lock:  # used by a training forward since its last refresh (a layer no longer trained is refreshed once)
@@ -303,25 +306,28 @@ def refresh_after_step(optimizer) -> int:
     if not candidates:
         return 0
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    done = 0
-    for slot, (refs, old_key, _value, recipe, _refreshed) in candidates:
+    groups: dict[tuple, list] = {}
+    for slot, (refs, old_key, _value, (refresh, settings, magnitude_ref), _refreshed) in candidates:
         weight, lora_A, lora_B = (ref() for ref in refs)
-        refresh, magnitude_ref = recipe
         magnitude = magnitude_ref()
         if weight is None or lora_A is None or lora_B is None or magnitude is None:
             continue
         if not any(id(t) in held for t in (lora_A, lora_B, magnitude, weight)):
             continue  # another optimizer's step refreshes it
         if weight.is_cuda and torch.cuda.is_current_stream_capturing():
-            return done  # the step is being captured: a stored value would be graph memory
+            return 0  # the step is being captured: a stored value would be graph memory
         scaling, fan_in_fan_out, tag = old_key[4], old_key[5], old_key[7]
         key = _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude)
-        if key is None:
-            continue
-        with torch.no_grad(), our_numerics(weight.device.type):
-            value = refresh(weight, lora_A, lora_B, magnitude)
-        _store(slot, refs, (*key, tag, _era["number"]), value, recipe, True)
-        done += 1
+        if key is not None:
+            groups.setdefault((refresh, weight.device.type), []).append(
+                (slot, refs, (*key, tag), (settings, weight, lora_A, lora_B, magnitude)))
+    done = 0
+    for (refresh, device_type), items in groups.items():
+        with torch.no_grad(), our_numerics(device_type):
+            values = refresh([item[3] for item in items])
+        for (slot, refs, key, layer), value in zip(items, values):
+            _store(slot, refs, (*key, _era["number"]), value, (refresh, layer[0], weakref.ref(layer[4])), True)
+        done += len(items)
     with _lock:
         _stats["refreshed"] += done
     return done
