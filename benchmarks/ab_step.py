@@ -2,9 +2,8 @@
 process: the lent hosts differ by ±30% in host speed, and this step is host-bound, so two
 configurations are compared only within one process, round by round.
 
-Configurations: ``lora`` (PEFT LoRA, bf16 adapters) and ``dc:graphs=G,chunk=C,refresh=F`` (doracheck
-on the same PEFT DoRA model, CUDA-graph norm replays on (1) or off (0), backward chunk budget C MiB,
-the norm refresh after the optimizer step on (1, the default) or off (0));
+Configurations: ``lora`` (PEFT LoRA, bf16 adapters) and ``dc:graphs=G,chunk=C`` (doracheck on
+the same PEFT DoRA model, CUDA-graph norm replays on (1) or off (0), backward chunk budget C MiB);
 either with ``mt=0`` runs its backward on the calling thread (``set_multithreading_enabled(False)``).
 Each round runs every configuration for ``--steps`` timed steps after one untimed step; the
 row is the median over all rounds (CUDA events), with the host CPU time per step (process CPU
@@ -75,7 +74,6 @@ def main(argv=None) -> int:
     def apply(c):
         os.environ["DORACHECK_NORM_GRAPHS"] = c.get("graphs", "1")
         settings.BACKWARD_CHUNK_BYTES = int(float(c.get("chunk", "16")) * 2**20)
-        norm_cache._REFRESH["on"] = c.get("refresh", "1") != "0"
 
     cuda = args.device == "cuda"
 

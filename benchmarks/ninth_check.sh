@@ -8,8 +8,6 @@
 #   abstep, abstep_old           ab_step.py: eager step + fused AdamW (GC), LoRA and doracheck in one process
 #                                (this checkout; _old: the library in .old/), alternating new, old, new, old
 #                                (ABSTEP_ROUNDS: the process pairs' numbers, default "1 2")
-#   abrefresh                    ab_step.py: LoRA and doracheck with the norm refresh after the optimizer step on
-#                                and off, interleaved in one process (ABSTEP_ROUNDS processes)
 #   phases                       phase_lag.py: host, elapsed and GPU-only ms of forward, backward and optimizer step
 #   phases_reversed              the same, the models built in the other order
 #   decode                       decode_ab.py: eager decode, LoRA and doracheck interleaved in one process
@@ -23,7 +21,7 @@ source benchmarks/gpu_common.sh
 export CUDA_VISIBLE_DEVICES=0
 PARTS=",${1:-tests,memcheck,verify},"
 install_old
-GPU_TESTS="tests/test_norm_graphs.py tests/test_kernels_gpu.py tests/test_training_loops.py tests/test_norm_refresh.py tests/test_autocast.py tests/test_zero_magnitude.py tests/test_inference_norms.py tests/test_compile_fullgraph.py tests/test_decode_plan_gpu.py tests/test_train_plan_gpu.py"
+GPU_TESTS="tests/test_norm_graphs.py tests/test_kernels_gpu.py tests/test_training_loops.py tests/test_autocast.py tests/test_zero_magnitude.py tests/test_inference_norms.py tests/test_compile_fullgraph.py tests/test_decode_plan_gpu.py tests/test_train_plan_gpu.py"
 if [[ $PARTS == *,tests,* ]]; then
   # shellcheck disable=SC2086
   step gpu_tests 260 $PY -m pytest -m gpu -q -n 4 -p no:cacheprovider -rs $(ls $GPU_TESTS 2>/dev/null)
@@ -53,16 +51,11 @@ if [[ $PARTS == *,abstep,* ]]; then
     [[ $PARTS == *,abstep_old,* && -n ${OLD:-} ]] && step abstep_old_$i 150 $OLD $PY ab_step.py --rounds 5 --steps 4 --csv "$R/ab_step_old_$i.csv" --configs "lora;dc"
   done
 fi
-if [[ $PARTS == *,abrefresh,* ]]; then
-  for i in ${ABSTEP_ROUNDS:-1 2}; do
-    step abrefresh_$i 150 $PY ab_step.py --rounds 6 --steps 4 --csv "$R/ab_refresh_$i.csv" --configs "lora;dc:refresh=1;dc:refresh=0"
-  done
-fi
 if [[ $PARTS == *,phases,* ]]; then
-  step phases 200 $PY phase_lag.py --impls peft_lora_bf16,doracheck_bf16,doracheck_bf16:norefresh --steps 6 --csv "$R/phase_lag.csv"
+  step phases 200 $PY phase_lag.py --impls peft_lora_bf16,doracheck_bf16 --steps 6 --csv "$R/phase_lag.csv"
 fi
-if [[ $PARTS == *,phases_reversed,* ]]; then  # the same, doracheck's two models built in the other order
-  step phases_reversed 200 $PY phase_lag.py --impls doracheck_bf16:norefresh,doracheck_bf16,peft_lora_bf16 --steps 6 \
+if [[ $PARTS == *,phases_reversed,* ]]; then  # the same, the models built in the other order
+  step phases_reversed 200 $PY phase_lag.py --impls doracheck_bf16,peft_lora_bf16 --steps 6 \
     --csv "$R/phase_lag_reversed.csv"
 fi
 if [[ $PARTS == *,sample,* ]]; then  # where the host time goes, without a tracing profiler's inflation
@@ -93,7 +86,7 @@ grep -A 13 "^== " "$R/profile.log" 2>/dev/null | cut -c1-150 | head -n 32
 grep -E "per step under cProfile" "$R/cprofile.log" 2>/dev/null
 grep -v -E "^(DEBUG|WARNING|INFO)" "$R/gaps.log" 2>/dev/null | cut -c1-170 | tail -n 40
 grep -v -E "^(DEBUG|WARNING|INFO|\[)" "$R/phases.log" "$R/phases_reversed.log" 2>/dev/null | grep -E " step |impl"
-for f in "$R"/abstep_*.log "$R"/abrefresh_*.log; do [[ -f $f ]] && { echo "$(basename "$f")"; tail -n 3 "$f"; }; done
+for f in "$R"/abstep_*.log; do [[ -f $f ]] && { echo "$(basename "$f")"; tail -n 3 "$f"; }; done
 tail -n 4 "$R/decode_new.log" 2>/dev/null
 for i in peft_lora_bf16 doracheck_bf16; do [[ -f $R/summary_$i.txt ]] && { grep "per step" "$R/sample_$i.log"; head -n 12 "$R/summary_$i.txt" | cut -c1-120; }; done
 finish

@@ -15,7 +15,7 @@ For the GPU-only run, transformers' ``find_packed_sequence_indices`` is replaced
 for these unpacked inputs (None) without its host sync, or the sync would drain the queue the
 sleep built up. Everything else runs unchanged.
 
-    python benchmarks/phase_lag.py --impls peft_lora_bf16,doracheck_bf16,doracheck_bf16:norefresh [--steps 6] [--csv FILE]
+    python benchmarks/phase_lag.py --impls peft_lora_bf16,doracheck_bf16 [--steps 6] [--csv FILE]
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from bench_model import build
 from llama_model import add_llama_args
 from row_csv import RowWriter
 
-from doracheck import norm_cache
 from doracheck.timing import quantile
 
 PHASES = ("forward", "backward", "optimizer")
@@ -103,9 +102,7 @@ def main(argv=None) -> int:
     writer = RowWriter(args.csv) if args.csv else None
     print(f"{'impl':26s} {'phase':10s} {'host ms':>8s} {'elapsed':>8s} {'GPU-only':>8s} {'idle':>7s}")
     for impl in args.impls.split(","):
-        # "doracheck_bf16:norefresh": the norm refresh after the optimizer step off (norm_cache)
-        norm_cache._REFRESH["on"] = not impl.endswith(":norefresh")
-        model = build(impl.split(":")[0], args, checkpointing=True)
+        model = build(impl, args, checkpointing=True)
         model.train()
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
         for _ in range(2):

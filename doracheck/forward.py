@@ -58,29 +58,6 @@ def norm_with_floor(backend: Backend, weight, lora_A, lora_B, scaling: float, fa
         return fn, torch.clamp_min(fn.norm, EPS)
 
 
-def training_norm(backend: Backend, scaling: float, fan_in_fan_out: bool, weight, lora_A, lora_B, magnitude):
-    """(FactoredNorm without U, G; max(n, eps); g = m / max(n, eps)), without autograd: the value a
-    training forward stores (``training_norms`` forms the same for the refresh after an optimizer
-    step)."""
-    fn, n_safe, g = backend.scaled_norm(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out)
-    return fn._replace(U=None, G=None), n_safe, g
-
-
-def training_norms(layers: list[tuple]) -> list[tuple]:
-    """``training_norm`` for each of ``layers``, ((backend, s, fan_in_fan_out), weight, lora_A,
-    lora_B, magnitude) each, bitwise the same values, in one ``Backend.scaled_norms`` call per
-    backend (the Triton one: one CUDA graph replay for all): the refresh after an optimizer step
-    (``norm_cache.refresh_after_step``)."""
-    by_backend: dict[Backend, list[tuple[int, tuple]]] = {}
-    for i, ((backend, scaling, fan_in_fan_out), weight, lora_A, lora_B, magnitude) in enumerate(layers):
-        by_backend.setdefault(backend, []).append((i, (weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out)))
-    values: list = [None] * len(layers)
-    for backend, items in by_backend.items():
-        for (i, _), (fn, n_safe, g) in zip(items, backend.scaled_norms([layer for _, layer in items])):
-            values[i] = (fn._replace(U=None, G=None), n_safe, g)
-    return values
-
-
 def norm_and_scale(backend: Backend, a: LayerArgs, *, need_g: bool, recording: bool):
     """(FactoredNorm, g = m / max(n, eps) or None, max(n, eps)). The norm, max(n, eps) and g may
     come from the norm cache (``norm_cache.lookup_or_compute`` says when; the magnitude is part
@@ -97,16 +74,14 @@ def norm_and_scale(backend: Backend, a: LayerArgs, *, need_g: bool, recording: b
 
         def compute_stored():
             if need_g:  # the norm, max(n, eps) and g in one backend call (the Triton one: one graph replay)
-                return training_norm(backend, a.scaling, a.fan_in_fan_out, a.weight, a.lora_A, a.lora_B, a.magnitude)
+                fn, n_safe, g = backend.scaled_norm(a.weight, a.lora_A, a.lora_B, a.magnitude, a.scaling, a.fan_in_fan_out)
+                return fn._replace(U=None, G=None), n_safe, g
             fn, n_safe = compute(False)
             return fn._replace(U=None, G=None), n_safe, None
 
-        # A training forward lets the optimizer-step hook recompute its value for the next step
-        # (norm_cache.refresh_after_step), with the same backend op, so bitwise what it would compute.
-        refresh = (training_norms, (backend, a.scaling, a.fan_in_fan_out)) if need_g and recording else None
         fn, n_safe, g = norm_cache.lookup_or_compute(
             a.weight, a.lora_A, a.lora_B, a.scaling, a.fan_in_fan_out, compute_stored, tag=backend.name,
-            recording=recording, magnitude=a.magnitude, refresh=refresh,
+            recording=recording, magnitude=a.magnitude,
         )
         if not need_g:
             g = None

@@ -5,9 +5,8 @@ write to them: fused optimizers (``torch.optim.AdamW(fused=True)``, transformers
 default) and writes through ``p.data`` leave ``_version`` unchanged. So a version match alone
 never licenses reuse. The rule, by the kind of forward asking:
 
-1. **A training forward** (grad mode, outside any backward) computes the norm and stores it
-   for its own activation-checkpoint recompute, with one exception: the value refreshed right
-   after the optimizer step that started this era (below). It reads nothing else stored before.
+1. **A training forward** (grad mode, outside any backward): always computes the norm. It
+   stores it for its own activation-checkpoint recompute and reads nothing stored before.
 2. **A recompute inside a backward** (checkpointing, reentrant or not: detected by autograd's
    running graph task): reads the norm its forward stored. Nothing can legitimately write
    the parameters between a forward and its backward.
@@ -25,28 +24,13 @@ never licenses reuse. The rule, by the kind of forward asking:
      and the current CUDA stream is the one the norm was computed on (another stream could read
      it before its kernels finish).
 
-**The refresh after an optimizer step.** The norm changes exactly when the optimizer steps, so
-a ``torch.optim`` step post-hook recomputes, right after the step, the norm and g of every layer
-a training forward used since its last refresh, if the step holds one of its W, A, B or m
-(``refresh_after_step``), and stores them for the new era. The next training forward of the
-layer reads that value (once: a second one in the same era computes) if its tensors still
-match it (same objects, addresses, version counters, s, layout, stream). Why: the step sits
-where the host is ahead of the GPU (the backward's long GEMMs are still running), while a
-training forward sits after the model's own host syncs, where host work leaves the GPU idle
-(issue 17: the step's forward is host-bound). The refresh computes what the forward would (the
-same backend op, the same numerics), so its value is bitwise the forward's own. Gradient-
-accumulation micro-steps after the first compute their own (a training forward after a backward
-starts an era). ``DORACHECK_NORM_REFRESH=0`` in the environment turns the refresh off.
-
-So training pays one norm per optimizer step (per micro-step with gradient accumulation), moved
-out of the forward by the refresh, and none per checkpoint recompute; inference and decode pay
-one norm until the model is trained or written. Writes nothing can see: ``param.data`` (or
-``set_``) between two forwards with no backward and no optimizer step between them
-(hand-editing adapters between inference calls), ``param.data`` writes between an optimizer
-step and the next forward (a projection or clamp through ``.data`` after ``optimizer.step()``;
-the same in place under ``torch.no_grad()`` is seen), and ``param.data`` updates in a loop whose
-backward torch.compile compiled (a compiled backward cannot record that it ran; a
-``torch.optim`` step still ends the era). Call ``clear_norm_cache()`` after them. Not cached at all: tensors without a version
+So training pays one norm per forward (a gradient-accumulation micro-step included) and none
+per checkpoint recompute; inference and decode pay one norm until the model is trained or
+written. Two writes nothing can see: ``param.data`` (or ``set_``) between two forwards with
+no backward and no optimizer step between them (hand-editing adapters between inference
+calls), and ``param.data`` updates in a loop whose backward torch.compile compiled (a
+compiled backward cannot record that it ran; a ``torch.optim`` step still ends the era).
+Call ``clear_norm_cache()`` after them. Not cached at all: tensors without a version
 counter (inference tensors), torch.compile tracing (a compiled graph recomputes), and
 processes where FSDP2 (``fully_shard``) manages modules, since FSDP2 all-gathers new values
 into the same unsharded tensors with their version counters preserved.
@@ -57,7 +41,6 @@ that reuses an address never matches.
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -67,16 +50,11 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from doracheck.kernels.tracing import tracing
-from doracheck.numerics import our_numerics
 
 MAX_ENTRIES = 4096
 _lock = threading.RLock()  # re-entrant: the weakref callback may run inside a locked section
-# slot (id of lora_B) -> (weak refs to W, A, B; key; value; recipe or None; refreshed). recipe =
-# (refresh function, its settings, weak ref to m), kept by training forwards; refreshed: stored by the refresh
-# after an optimizer step and not yet read by a training forward (which may read it, once).
 _entries: OrderedDict[int, tuple] = OrderedDict()
-_stats = {"hits": 0, "misses": 0, "refreshed": 0}
-_REFRESH = {"on": os.environ.get("DORACHECK_NORM_REFRESH", "1") != "0"}
+_stats = {"hits": 0, "misses": 0}
 
 # The training era: a stored norm is read across forwards only within the era it was stored in.
 _era = {"number": 0, "backward_seen": False}
@@ -98,9 +76,8 @@ def _end_era() -> None:
         listener()
 
 
-def _on_optimizer_step(optimizer, _args, _kwargs) -> None:
+def _on_optimizer_step(_optimizer, _args, _kwargs) -> None:
     _end_era()
-    refresh_after_step(optimizer)
 
 
 _OPTIMIZER_HOOK = register_optimizer_step_post_hook(_on_optimizer_step)
@@ -222,17 +199,13 @@ def _cacheable() -> bool:
     return not _compiling() and not fsdp_active()
 
 
-def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, *, recording, magnitude=None, tag="",
-                      refresh=None):
+def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, *, recording, magnitude=None, tag=""):
     """The stored value for these tensors if the module rule allows reusing it, else
     ``compute()`` (stored for later). ``recording``: the caller's forward is recorded by
     autograd (a training forward; inside an autograd Function's forward grad mode is off, so
     the caller says). With ``magnitude`` the value may depend on it too (its version is part
     of the key); ``tag`` (the implementation path) is part of the key, so paths never share
-    entries. ``refresh = (function, settings)``: ``function([(settings, weight, lora_A, lora_B,
-    magnitude), ...])`` returns for each layer what its ``compute()`` would (``settings`` holds no
-    tensor); a training forward that passes it lets ``refresh_after_step`` recompute its value,
-    with other layers' in the same call, after the next optimizer step."""
+    entries."""
     if not _cacheable() or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
         # Under CUDA graph capture the norm is part of the graph: a replay recomputes it from the
         # parameters as they are then; a stored tensor would be graph memory that replays overwrite.
@@ -241,7 +214,7 @@ def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, 
     if key is None:
         return compute()
     in_backward = _in_backward()
-    may_read = in_backward or not recording  # rule 1: a training forward reads only a refreshed value
+    may_read = in_backward or not recording  # rule 1: a training forward never reads
     if not in_backward and _era["backward_seen"]:
         if recording:
             _end_era()  # a training forward: parameters are what this step will use
@@ -261,76 +234,25 @@ def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, 
     era = _era["number"]
     key = (*key, tag, era)
     slot = id(lora_B)
-    with _lock:
-        entry = _entries.get(slot)
-        if entry is not None:
-            refs, entry_key, value, recipe, refreshed = entry
-            if ((may_read or refreshed) and entry_key == key and refs[0]() is weight and refs[1]() is lora_A
-                    and refs[2]() is lora_B and not (in_backward and _holds_inference_tensors(value))):
-                if refreshed and not may_read:  # a training forward used it: the next step refreshes it again
-                    _entries[slot] = (refs, entry_key, value, recipe, False)
-                _entries.move_to_end(slot)
-                _stats["hits"] += 1
-                return value
+    if may_read:
+        with _lock:
+            entry = _entries.get(slot)
+            if entry is not None:
+                refs, entry_key, value = entry
+                if (entry_key == key and refs[0]() is weight and refs[1]() is lora_A and refs[2]() is lora_B
+                        and not (in_backward and _holds_inference_tensors(value))):
+                    _entries.move_to_end(slot)
+                    _stats["hits"] += 1
+                    return value
     value = compute()
     refs = (weakref.ref(weight), weakref.ref(lora_A), weakref.ref(lora_B, lambda _r, s=slot: _forget(s)))
-    recipe = None
-    if refresh is not None and recording and not in_backward and magnitude is not None:
-        recipe = (refresh[0], refresh[1], weakref.ref(magnitude))
-    _store(slot, refs, key, value, recipe, False)
-    return value
-
-
-def _store(slot: int, refs: tuple, key: tuple, value, recipe, refreshed: bool) -> None:
     with _lock:
-        if not refreshed:
-            _stats["misses"] += 1
-        _entries[slot] = (refs, key, value, recipe, refreshed)
+        _stats["misses"] += 1
+        _entries[slot] = (refs, key, value)
         _entries.move_to_end(slot)
         while len(_entries) > MAX_ENTRIES:
             _entries.popitem(last=False)
-
-
-def refresh_after_step(optimizer) -> int:
-    """Recompute, for the new era, the stored value of every layer a training forward used since
-    its last refresh and whose W, A, B or m ``optimizer`` holds (rule 1's exception, in the
-    module docstring), all of them in one call of their ``refresh`` function (the Triton
-    backend replays one CUDA graph for all). Runs in the optimizer-step post-hook, after
-    ``_end_era``; returns how many values it stored. Nothing while torch.compile traces, under
-    FSDP2, while the current stream is being captured into a CUDA graph, or with
-    ``DORACHECK_NORM_REFRESH=0``."""
-    if not _REFRESH["on"] or not _cacheable():
-        return 0
-    with _lock:  # used by a training forward since its last refresh (a layer no longer trained is refreshed once)
-        candidates = [(slot, entry) for slot, entry in _entries.items() if entry[3] is not None and not entry[4]]
-    if not candidates:
-        return 0
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    groups: dict[tuple, list] = {}
-    for slot, (refs, old_key, _value, (refresh, settings, magnitude_ref), _refreshed) in candidates:
-        weight, lora_A, lora_B = (ref() for ref in refs)
-        magnitude = magnitude_ref()
-        if weight is None or lora_A is None or lora_B is None or magnitude is None:
-            continue
-        if not any(id(t) in held for t in (lora_A, lora_B, magnitude, weight)):
-            continue  # another optimizer's step refreshes it
-        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
-            return 0  # the step is being captured: a stored value would be graph memory
-        scaling, fan_in_fan_out, tag = old_key[4], old_key[5], old_key[7]
-        key = _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude)
-        if key is not None:
-            groups.setdefault((refresh, weight.device.type), []).append(
-                (slot, refs, (*key, tag), (settings, weight, lora_A, lora_B, magnitude)))
-    done = 0
-    for (refresh, device_type), items in groups.items():
-        with torch.no_grad(), our_numerics(device_type):
-            values = refresh([item[3] for item in items])
-        for (slot, refs, key, layer), value in zip(items, values):
-            _store(slot, refs, (*key, _era["number"]), value, (refresh, layer[0], weakref.ref(layer[4])), True)
-        done += len(items)
-    with _lock:
-        _stats["refreshed"] += done
-    return done
+    return value
 
 
 def _holds_inference_tensors(value) -> bool:
@@ -361,7 +283,6 @@ def clear_norm_cache() -> None:
 
 
 def norm_cache_stats() -> dict:
-    """{"hits", "misses", "refreshed", "entries", "era"} since start (for tests and benchmarks);
-    "refreshed": values stored by ``refresh_after_step``."""
+    """{"hits", "misses", "entries", "era"} since start (for tests and benchmarks)."""
     with _lock:
         return {**_stats, "entries": len(_entries), "era": _era["number"]}

@@ -12,9 +12,6 @@ Ops (``cd``: the compute dtype of ``base``; ``g`` = m / max(n, eps) in fp32; ``s
 - ``scaled_norm(weight, lora_A, lora_B, m, s, fan_in_fan_out) -> (FactoredNorm, n_safe, g)``:
   the norm (no U, G), n_safe = max(n, eps) and g = m / n_safe, all without autograd;
   the Triton twin forms all of it in the norm's own launches (one CUDA graph replay).
-- ``scaled_norms(layers) -> [(FactoredNorm, n_safe, g)]``: ``scaled_norm`` for each of
-  ``layers`` ((weight, lora_A, lora_B, m, s, fan_in_fan_out) each), bitwise the same; the Triton
-  twin replays one CUDA graph for all of them where it can (the refresh after an optimizer step).
 - ``compose_infer(base, xa, lora_B, m, n_safe, bias, s, base_has_bias) -> y``: inference,
   y = b + g⊙(base [- b] + s·xa·Bᵀ) with g = m / n_safe formed by the op.
 - ``compose_saving(base, xa, lora_B, g, bias, s, base_has_bias, output_may_stand_for_z)
@@ -59,7 +56,6 @@ class Backend(NamedTuple):
     grad_scale_dm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     dm_finish: Callable[..., torch.Tensor]
     scaled_norm: Callable[..., tuple[FactoredNorm, torch.Tensor, torch.Tensor]]
-    scaled_norms: Callable[[list], list]
 
 
 # --- the torch twins -----------------------------------------------------------------------
@@ -80,11 +76,6 @@ def _scaled_norm_composite(norm: Callable[..., FactoredNorm], weight, lora_A, lo
 
 def _scaled_norm_torch(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out):
     return _scaled_norm_composite(_norm_torch, weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out)
-
-
-def _one_by_one(scaled_norm: Callable[..., tuple]) -> Callable[[list], list]:
-    """``scaled_norms`` as ``scaled_norm`` on each layer in turn."""
-    return lambda layers: [scaled_norm(*layer) for layer in layers]
 
 
 def _compose_infer_torch(base, xa, lora_B, magnitude, n_safe, bias, scaling, base_has_bias=False) -> torch.Tensor:
@@ -111,7 +102,6 @@ TORCH = Backend(
     grad_scale_dm=_grad_scale_dm_torch,
     dm_finish=dm_finish_torch,
     scaled_norm=_scaled_norm_torch,
-    scaled_norms=_one_by_one(_scaled_norm_torch),
 )
 
 
@@ -156,29 +146,15 @@ def _build_triton_backend() -> Backend:
     def grad_scale_dm(dy, h, g, n, bias, from_output, final_dm, reduce):
         return ops.call("grad_scale_dm", dy, h, g, n, bias, from_output, final_dm, reduce)
 
-    def fused_g(weight, magnitude) -> bool:
-        """Whether ``ops``' eager scaled norm forms g for this m (else the composite)."""
-        return (not tracing() and magnitude.dtype in _G_IN_NORM_DTYPES and magnitude.dim() == 1 and magnitude.stride(0) == 1
-                and magnitude.device == weight.device)
-
     def scaled_norm(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out):
         # One kernel forms n_safe and g where m is an fp32 or 16-bit vector of stride 1 beside
         # CUDA adapters, in eager (while tracing, the registered factored_norm op and two torch ops).
-        if not fused_g(weight, magnitude):
+        if (tracing() or magnitude.dtype not in _G_IN_NORM_DTYPES or magnitude.dim() != 1 or magnitude.stride(0) != 1
+                or magnitude.device != weight.device):
             return _scaled_norm_composite(norm, weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out)
         base, cross, lora, n, n_safe, g = ops.call("scaled_norm", weight, lora_A, lora_B, magnitude, float(scaling),
                                                    fan_in_fan_out).unbind(0)
         return FactoredNorm(base, cross, lora, n, None, None), n_safe, g
-
-    def scaled_norms(layers):
-        devices = {layer[0].device for layer in layers}
-        if len(devices) != 1 or not all(fused_g(layer[0], layer[3]) for layer in layers):
-            return [scaled_norm(*layer) for layer in layers]
-        out = []
-        for rows in ops.scaled_norms(layers):
-            base, cross, lora, n, n_safe, g = rows.unbind(0)
-            out.append((FactoredNorm(base, cross, lora, n, None, None), n_safe, g))
-        return out
 
     def dm_finish(*args: Any) -> torch.Tensor:
         return ops.call("dm_finish", *args)
@@ -186,5 +162,4 @@ def _build_triton_backend() -> Backend:
     def compose_infer(*args: Any) -> torch.Tensor:
         return ops.compose_infer_(*args)
 
-    return Backend("triton", norm, compose_infer, compose_saving, compose_dropout, grad_scale_dm, dm_finish, scaled_norm,
-                   scaled_norms)
+    return Backend("triton", norm, compose_infer, compose_saving, compose_dropout, grad_scale_dm, dm_finish, scaled_norm)

@@ -181,8 +181,8 @@ def _on_tensor_freed(_ref) -> None:
     _state["dead"] = True  # no lock: a weakref callback may run anywhere, a flag write is atomic
 
 
-def _refs(*tensors: torch.Tensor) -> tuple:
-    return tuple(weakref.ref(t, _on_tensor_freed) for t in tensors)
+def _refs(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> tuple:
+    return tuple(weakref.ref(t, _on_tensor_freed) for t in (weight, lora_A, lora_B))
 
 
 def _alive(refs: tuple, *tensors: torch.Tensor) -> bool:
@@ -213,42 +213,6 @@ def graphed_norm(
     key = _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude)
     if key is None or _state["off"]:
         return None
-    return _replay(key, terms, weight.device, (weight, lora_A, lora_B))
-
-
-def graphed_norms(layers: list[tuple], terms: list[Callable[[], torch.Tensor]]) -> list[torch.Tensor] | None:
-    """Several norms from ONE graph replay: ``layers`` holds (weight, lora_A, lora_B, magnitude,
-    s, fan_in_fan_out) per norm, ``terms[i]()`` launches norm i as ``graphed_norm``'s ``terms``
-    does (its (6, d_out) rows). Returns each norm's rows (views into one copy of the graph's
-    output), or None where a graph is not used (fewer than two norms, any one that
-    ``graphed_norm`` would not graph, several devices or streams, a group not yet seen
-    ``CAPTURE_AFTER`` times). The refresh after an optimizer step
-    (``doracheck.norm_cache.refresh_after_step``) asks for every trained layer at once: one host
-    call for all of them, like a foreach optimizer's launch. The captured launches are each
-    norm's own followed by one copy into a shared output, so each norm is bitwise its own graph's
-    (or launches')."""
-    if len(layers) < 2 or _state["off"]:
-        return None
-    keys: list[tuple] = []
-    for weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out in layers:
-        key = _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude)
-        if key is None or (keys and key[:2] != keys[0][:2]):
-            return None
-        keys.append(key)
-    group_key = (*keys[0][:2], "group", tuple(key[2:] for key in keys))
-    tensors = tuple(t for layer in layers for t in layer[:3])
-
-    def all_terms() -> torch.Tensor:
-        return torch.cat([launch() for launch in terms], dim=1)
-
-    rows = _replay(group_key, all_terms, layers[0][0].device, tensors)
-    return None if rows is None else list(torch.split(rows, [layer[2].shape[0] for layer in layers], dim=1))
-
-
-def _replay(key: tuple, terms: Callable[[], torch.Tensor], device: torch.device, tensors: tuple) -> torch.Tensor | None:
-    """The graph of ``key`` replayed (captured first, at its ``CAPTURE_AFTER``-th sighting) and its
-    output copied out, or None before that or where a capture fails. ``tensors``: what the
-    graph reads at the key's addresses (weakly referenced, for the cap's clean-up)."""
     # Outside inference mode: what is made here outlives this call, and an inference tensor
     # could not be written by a later call outside it. Then no_grad and no forward AD, in this
     # order: leaving inference mode turns both grad modes on (seen on the H200: G written by an
@@ -268,7 +232,7 @@ def _replay(key: tuple, terms: Callable[[], torch.Tensor], device: torch.device,
                 return None
         if entry is None:
             try:
-                graph, out = _capture(key, terms, device)
+                graph, out = _capture(key, terms, weight.device)
             except Exception as error:  # noqa: BLE001 (any failure to capture: the eager launches still work)
                 # Off for the rest of the process (until clear()): a failed capture is usually
                 # memory running out at the peak of a forward, and its pool is not reused.
@@ -280,12 +244,12 @@ def _replay(key: tuple, terms: Callable[[], torch.Tensor], device: torch.device,
                 _state["off"] = True
                 _stats["failed"] += 1
                 warnings.warn(f"doracheck: capturing a norm graph failed ({type(error).__name__}: {error}); "
-                              "norms are launched without graphs from now on", RuntimeWarning, stacklevel=3)
+                              "norms are launched without graphs from now on", RuntimeWarning, stacklevel=2)
                 return None
-            entry = _graphs[key] = [graph, out, _refs(*tensors)]
+            entry = _graphs[key] = [graph, out, _refs(weight, lora_A, lora_B)]
             _stats["captures"] += 1
-        elif not _alive(entry[2], *tensors):
-            entry[2] = _refs(*tensors)  # other tensors now at those addresses and layouts
+        elif not _alive(entry[2], weight, lora_A, lora_B):
+            entry[2] = _refs(weight, lora_A, lora_B)  # other tensors now at those addresses and layouts
         graph, out = entry[0], entry[1]
         graph.replay()
         _stats["replays"] += 1

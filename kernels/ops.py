@@ -45,7 +45,7 @@ from torch.library import triton_op
 from .compose_torch import magnitude_scale
 from .compose_triton import grad_scale_dm_triton, lora_up_compose_triton
 from .lost_rows_triton import dm_finish_triton
-from .norm_graphs import graphed_norm, graphed_norms
+from .norm_graphs import graphed_norm
 from .norm_triton import factored_norm_triton, norm_terms
 from .triton_common import tracing
 
@@ -81,23 +81,6 @@ def _scaled_norm_eager(
 
     rows = graphed_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out, terms, magnitude)
     return rows if rows is not None else terms()
-
-
-def scaled_norms(layers: list[tuple]) -> list[torch.Tensor]:
-    """Eager only: ``_scaled_norm_eager``'s (6, d_out) rows for each of ``layers`` ((weight,
-    lora_A, lora_B, magnitude, s, fan_in_fan_out) each, all on one device, m as ``backends``
-    checks it), from ONE CUDA graph replay of all of them where ``norm_graphs.graphed_norms``
-    allows it, else each norm on its own (its graph, or its launches). Bitwise the same either way."""
-    def terms_of(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out):
-        return lambda: norm_terms(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude)
-
-    def run(*_):
-        rows = graphed_norms(layers, [terms_of(*layer) for layer in layers])
-        if rows is not None:
-            return rows
-        return [_scaled_norm_eager(w, a, b, m, s, f) for w, a, b, m, s, f in layers]
-
-    return _on_device(run, (layers[0][0],)) if layers else []
 
 
 def _lora_up_compose_(

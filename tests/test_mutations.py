@@ -52,8 +52,7 @@ def _bf16_accumulated_terms(weight, lora_A, lora_B, scaling, *, fan_in_fan_out=F
 @contextlib.contextmanager
 def bf16_norm():
     """Every backend op that forms the norm swapped for one that accumulates in bf16: the
-    factored norm, the norm-with-g a training forward asks for (``scaled_norm``) and its grouped
-    form, which the refresh after an optimizer step asks for (``scaled_norms``)."""
+    factored norm and the norm-with-g a training forward asks for (``scaled_norm``)."""
     from doracheck.kernels.backends import _scaled_norm_composite
 
     original = doracheck.dispatch.backend_for
@@ -61,14 +60,10 @@ def bf16_norm():
     def mutant_norm(w, a, b, s, fif, need_factors=False):
         return _bf16_accumulated_terms(w, a, b, s, fan_in_fan_out=fif)
 
-    def mutant_scaled_norm(w, a, b, m, s, fif):
-        return _scaled_norm_composite(mutant_norm, w, a, b, m, s, fif)
-
     def bf16_norm_backend(*tensors):
         return original(*tensors)._replace(
             factored_norm=mutant_norm,
-            scaled_norm=mutant_scaled_norm,
-            scaled_norms=lambda layers: [mutant_scaled_norm(*layer) for layer in layers],
+            scaled_norm=lambda w, a, b, m, s, fif: _scaled_norm_composite(mutant_norm, w, a, b, m, s, fif),
         )
 
     doracheck.dispatch.backend_for = bf16_norm_backend
