@@ -24,7 +24,6 @@ from bench_model import build
 from llama_model import add_llama_args
 from row_csv import RowWriter
 
-from doracheck import norm_cache
 from doracheck.kernels import norm_graphs, settings
 from doracheck.timing import quantile
 
@@ -126,7 +125,7 @@ def main(argv=None) -> int:
                         "dtype": "bf16", **versions})
     if writer:
         writer.close()
-    print("norm graphs:", norm_graphs.stats(), "norm cache:", norm_cache.norm_cache_stats(), file=sys.stderr)
+    print("norm graphs:", norm_graphs.stats(), file=sys.stderr)
     if cuda:
         print(f"peak memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated, "
               f"{torch.cuda.max_memory_reserved() / 2**30:.2f} GiB reserved", file=sys.stderr)

@@ -61,12 +61,11 @@ def timed_step(model, opt, ids, hold_cycles: int | None):
     that long before each phase, the phase's first event recorded after the sleep."""
     host, gpu = [], []
     torch.cuda.synchronize()
-    state: dict = {}
 
-    def phases():
-        state["loss"] = model(ids, labels=ids).loss
+    def phases():  # one phase per next()
+        loss = model(ids, labels=ids).loss
         yield
-        state["loss"].backward()
+        loss.backward()
         yield
         opt.step()
         opt.zero_grad(set_to_none=True)
