@@ -3,7 +3,8 @@ process: the lent hosts differ by ±30% in host speed, and this step is host-bou
 configurations are compared only within one process, round by round.
 
 Configurations: ``lora`` (PEFT LoRA, bf16 adapters) and ``dc:graphs=G,chunk=C`` (doracheck on
-the same PEFT DoRA model, CUDA-graph norm replays on (1) or off (0), backward chunk budget C MiB);
+the same PEFT DoRA model, CUDA-graph norm replays on (1) or off (0), backward chunk budget C MiB,
+``plans=0`` without the layers' training plans, ``doracheck.integrations.peft_train``);
 either with ``mt=0`` runs its backward on the calling thread (``set_multithreading_enabled(False)``).
 Each round runs every configuration for ``--steps`` timed steps after one untimed step; the
 row is the median over all rounds (CUDA events), with the host CPU time per step (process CPU
@@ -24,6 +25,7 @@ from bench_model import build
 from llama_model import add_llama_args
 from row_csv import RowWriter
 
+from doracheck.integrations import peft_train
 from doracheck.kernels import norm_graphs, settings
 from doracheck.timing import quantile
 
@@ -73,6 +75,7 @@ def main(argv=None) -> int:
     def apply(c):
         os.environ["DORACHECK_NORM_GRAPHS"] = c.get("graphs", "1")
         settings.BACKWARD_CHUNK_BYTES = int(float(c.get("chunk", "16")) * 2**20)
+        peft_train.ENABLED = c.get("plans", "1") == "1"
 
     cuda = args.device == "cuda"
 
@@ -126,6 +129,8 @@ def main(argv=None) -> int:
     if writer:
         writer.close()
     print("norm graphs:", norm_graphs.stats(), file=sys.stderr)
+    planned = sum(bool(m.__dict__.get(peft_train._TRAIN_PLANS)) for model, _ in models.values() for m in model.modules())
+    print(f"layers holding a training plan: {planned}", file=sys.stderr)
     if cuda:
         print(f"peak memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated, "
               f"{torch.cuda.max_memory_reserved() / 2**30:.2f} GiB reserved", file=sys.stderr)

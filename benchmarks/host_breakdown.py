@@ -155,6 +155,16 @@ def main() -> int:
     _, saved = saved_forward()
     need = Need(True, False, True, True, True, False)
 
+    def _graph_entry(rows_out: int):
+        """The norm graph whose static output has ``rows_out`` rows (made by the rows above it)."""
+        return next(e for e in norm_graphs._graphs.values() if e[1].shape[0] == rows_out)
+
+    def _graph_of(rows_out: int):
+        return _graph_entry(rows_out)[0]
+
+    def _graph_output(rows_out: int):
+        return _graph_entry(rows_out)[1]
+
     def the_numerics():
         with numerics.our_numerics(dev.type):
             pass
@@ -172,6 +182,10 @@ def main() -> int:
         ("autograd.Function apply, identity", lambda: _Identity.apply(x)),
         ("norm_and_scale (recording)", lambda: forward_pass.norm_and_scale(backend, a, need_g=True, recording=True)),
         ("backend.factored_norm", lambda: backend.factored_norm(W, A, B, s, False)),
+        ("backend.scaled_norm (training: replay, clone, unbind)", lambda: backend.scaled_norm(W, A, B, m.detach(), s, False)),
+        ("  its graph.replay() alone", lambda: _graph_of(6).replay()),
+        ("  clone of its (6, d_out) output", lambda: _graph_output(6).clone()),
+        ("  unbind(0) of a (6, d_out) tensor", lambda: _graph_output(6).unbind(0)),
         ("factored norm, eager launches (no graph)", lambda: ops._factored_norm(W, A, B, s, False)),
         ("gram_triton(out=G)", lambda: gram_triton(A.detach(), out=G)),
         ("norm_graphs key", lambda: norm_graphs._key(W, A, B, s, False)),

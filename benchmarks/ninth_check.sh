@@ -10,6 +10,10 @@
 #                                (ABSTEP_ROUNDS: the process pairs' numbers, default "1 2")
 #   phases                       phase_lag.py: host, elapsed and GPU-only ms of forward, backward and optimizer step
 #   phases_reversed              the same, the models built in the other order
+#   phases_plans                 phase_lag.py: LoRA, doracheck, doracheck without its training plans (twelfth session)
+#   breakdown                    host_breakdown.py: host µs of each part of one layer call (4096², r 384, T 16)
+#   abplans                      ab_step.py: LoRA, doracheck, doracheck without its training plans, interleaved in one
+#                                process, twice
 #   decode                       decode_ab.py: eager decode, LoRA and doracheck interleaved in one process
 #   decode_ab                    the same, this checkout and .old/ in alternating processes, twice
 #   sample                       host_sample_step.py under py-spy (non-blocking, 250 Hz), LoRA and doracheck, and
@@ -21,7 +25,7 @@ source benchmarks/gpu_common.sh
 export CUDA_VISIBLE_DEVICES=0
 PARTS=",${1:-tests,memcheck,verify},"
 install_old
-GPU_TESTS="tests/test_norm_graphs.py tests/test_kernels_gpu.py tests/test_training_loops.py tests/test_autocast.py tests/test_zero_magnitude.py tests/test_inference_norms.py tests/test_compile_fullgraph.py tests/test_decode_plan_gpu.py tests/test_train_plan_gpu.py"
+GPU_TESTS="tests/test_norm_graphs.py tests/test_kernels_gpu.py tests/test_training_loops.py tests/test_autocast.py tests/test_zero_magnitude.py tests/test_inference_norms.py tests/test_compile_fullgraph.py tests/test_decode_plan_gpu.py tests/test_train_plan.py"
 if [[ $PARTS == *,tests,* ]]; then
   # shellcheck disable=SC2086
   step gpu_tests 260 $PY -m pytest -m gpu -q -n 4 -p no:cacheprovider -rs $(ls $GPU_TESTS 2>/dev/null)
@@ -33,7 +37,8 @@ fi
 if [[ $PARTS == *,memcheck,* ]]; then
   step memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m pytest -m gpu -q -p no:cacheprovider \
     "${MEMCHECK_IDS[@]}" \
-    $(ls tests/test_decode_plan_gpu.py tests/test_train_plan_gpu.py 2>/dev/null)
+    $(ls tests/test_decode_plan_gpu.py 2>/dev/null) \
+    "tests/test_train_plan.py::test_gpu_training_with_plans_is_bitwise_without_them_in_bf16[checkpointing]"
 fi
 cd benchmarks
 if [[ $PARTS == *,profile,* ]]; then
@@ -57,6 +62,18 @@ fi
 if [[ $PARTS == *,phases_reversed,* ]]; then  # the same, the models built in the other order
   step phases_reversed 200 $PY phase_lag.py --impls doracheck_bf16,peft_lora_bf16 --steps 6 \
     --csv "$R/phase_lag_reversed.csv"
+fi
+if [[ $PARTS == *,phases_plans,* ]]; then
+  step phases_plans 240 $PY phase_lag.py --impls peft_lora_bf16,doracheck_bf16,doracheck_bf16:plans=0 --steps 6 \
+    --csv "$R/phase_lag_plans.csv"
+fi
+if [[ $PARTS == *,breakdown,* ]]; then
+  step breakdown 150 $PY host_breakdown.py --out "$R/host_breakdown.txt"
+fi
+if [[ $PARTS == *,abplans,* ]]; then
+  for i in 1 2; do
+    step abplans_$i 170 $PY ab_step.py --rounds 5 --steps 4 --csv "$R/ab_step_plans_$i.csv" --configs "lora;dc:chunk=32;dc:chunk=32,plans=0"
+  done
 fi
 if [[ $PARTS == *,sample,* ]]; then  # where the host time goes, without a tracing profiler's inflation
   $PY -m pip install -q --no-deps ../.tools/py_spy*.whl >"$R/pyspy_install.log" 2>&1
@@ -84,9 +101,10 @@ check_summary
 grep -v DEBUG "$R/retest.log" 2>/dev/null | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 5
 grep -A 13 "^== " "$R/profile.log" 2>/dev/null | cut -c1-150 | head -n 32
 grep -E "per step under cProfile" "$R/cprofile.log" 2>/dev/null
+head -n 40 "$R/host_breakdown.txt" 2>/dev/null
 grep -v -E "^(DEBUG|WARNING|INFO)" "$R/gaps.log" 2>/dev/null | cut -c1-170 | tail -n 40
-grep -v -E "^(DEBUG|WARNING|INFO|\[)" "$R/phases.log" "$R/phases_reversed.log" 2>/dev/null | grep -E " step |impl"
-for f in "$R"/abstep_*.log; do [[ -f $f ]] && { echo "$(basename "$f")"; tail -n 3 "$f"; }; done
+grep -v -E "^(DEBUG|WARNING|INFO|\[)" "$R/phases.log" "$R/phases_reversed.log" "$R/phases_plans.log" 2>/dev/null | grep -E "step|forward|backward|impl"
+for f in "$R"/abstep_*.log "$R"/abplans_*.log; do [[ -f $f ]] && { echo "$(basename "$f")"; tail -n 7 "$f"; }; done
 tail -n 4 "$R/decode_new.log" 2>/dev/null
 for i in peft_lora_bf16 doracheck_bf16; do [[ -f $R/summary_$i.txt ]] && { grep "per step" "$R/sample_$i.log"; head -n 12 "$R/summary_$i.txt" | cut -c1-120; }; done
 finish

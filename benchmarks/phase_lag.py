@@ -30,6 +30,7 @@ from bench_model import build
 from llama_model import add_llama_args
 from row_csv import RowWriter
 
+from doracheck.integrations import peft_train
 from doracheck.timing import quantile
 
 PHASES = ("forward", "backward", "optimizer")
@@ -101,7 +102,9 @@ def main(argv=None) -> int:
     writer = RowWriter(args.csv) if args.csv else None
     print(f"{'impl':26s} {'phase':10s} {'host ms':>8s} {'elapsed':>8s} {'GPU-only':>8s} {'idle':>7s}")
     for impl in args.impls.split(","):
-        model = build(impl, args, checkpointing=True)
+        # "doracheck_bf16:plans=0": the layers' training plans off (doracheck.integrations.peft_train)
+        peft_train.ENABLED = not impl.endswith(":plans=0")
+        model = build(impl.split(":")[0], args, checkpointing=True)
         model.train()
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
         for _ in range(2):

@@ -33,7 +33,7 @@ def _held_on_ctx(t: torch.Tensor | None) -> bool:
     return isinstance(t, torch.nn.Parameter) and not t.is_inference()
 
 
-def _save(ctx, saved: Saved, a: LayerArgs, lead: tuple) -> None:
+def _save(ctx, saved: Saved, a: LayerArgs, lead: tuple, held: tuple | None = None) -> None:
     """Keep ``saved`` and the parameters for the backward.
 
     Activations go through ``save_for_backward`` (so through saved-tensor hooks, such as
@@ -43,13 +43,18 @@ def _save(ctx, saved: Saved, a: LayerArgs, lead: tuple) -> None:
     unpack them again (10 hook-packed tensors per call before, 5 now for a PEFT layer). Other
     tensors passed as parameters, and everything while torch.compile traces (the form it
     supports), go through ``save_for_backward``. ``n_safe`` is kept only for the exact-norm
-    backward, the one that reads it."""
+    backward, the one that reads it. ``held``: the parameters as they ride on the ctx, where the
+    caller already knows all of them are module parameters and nothing traces (a training plan,
+    ``doracheck.integrations.peft_train``): the same record, without asking again."""
     tensors = tuple(saved[:SAVED_TENSORS])
     if a.detach_norm:
         tensors = tensors[:6] + (None,) + tensors[7:]
-    params = (a.weight, a.lora_A, a.lora_B, a.magnitude, a.bias)
-    held = (None,) * len(params) if tracing() else tuple(t if _held_on_ctx(t) else None for t in params)
-    ctx.save_for_backward(*tensors, *(None if h is not None else t for t, h in zip(params, held)))
+    if held is not None:
+        ctx.save_for_backward(*tensors, None, None, None, None, None)
+    else:
+        params = (a.weight, a.lora_A, a.lora_B, a.magnitude, a.bias)
+        held = (None,) * len(params) if tracing() else tuple(t if _held_on_ctx(t) else None for t in params)
+        ctx.save_for_backward(*tensors, *(None if h is not None else t for t, h in zip(params, held)))
     ctx.params = held
     ctx.param_versions = tuple(None if t is None else t._version for t in held)
     ctx.flags = saved.flags()
@@ -156,20 +161,50 @@ class DoRAFromBaseFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        norm_cache.note_backward()
-        saved, a = _restore(ctx)
-        T, d_out = saved.x2.shape[0], saved.g.shape[0]
-        saved = saved._replace(h=saved.h.reshape(T, d_out))
-        need = ctx.needs_input_grad  # result, x, weight, lora_A, lora_B, magnitude, bias
-        with our_numerics(dy.device.type):
-            dx, _dW, dA, dB, dm, db = backward_pass.layer_backward(
-                saved, dy, a, ctx.lead, Need(need[1], False, need[3], need[4], need[5], need[6]), base_in_dx=ctx.result_is_base
-            )
-            d_result = None
-            if not ctx.result_is_base:
-                d_result, db = _through_result(dy.reshape(T, d_out), saved, db)
-                d_result = d_result.reshape(dy.shape) if need[0] else None
-        return d_result, dx, None, dA, dB, dm, db, None, None, None, None, None, None
+        return (*_from_base_grads(ctx, dy), None, None, None, None, None, None)
+
+
+def _from_base_grads(ctx, dy: torch.Tensor) -> tuple:
+    """(d_result, dx, None, dA, dB, dm, db): the gradients of a from-base Function's first seven
+    inputs (result, x, weight, lora_A, lora_B, magnitude, bias), from what ``_save`` kept."""
+    norm_cache.note_backward()
+    saved, a = _restore(ctx)
+    T, d_out = saved.x2.shape[0], saved.g.shape[0]
+    assert saved.h is not None  # every training forward keeps z, z_d or the output
+    saved = saved._replace(h=saved.h.reshape(T, d_out))
+    need = ctx.needs_input_grad  # result, x, weight, lora_A, lora_B, magnitude, bias, ...
+    with our_numerics(dy.device.type):
+        dx, _dW, dA, dB, dm, db = backward_pass.layer_backward(
+            saved, dy, a, ctx.lead, Need(need[1], False, need[3], need[4], need[5], need[6]), base_in_dx=ctx.result_is_base
+        )
+        d_result = None
+        if not ctx.result_is_base:
+            d_result, db = _through_result(dy.reshape(T, d_out), saved, db)
+            d_result = d_result.reshape(dy.shape) if need[0] else None
+    return d_result, dx, None, dA, dB, dm, db
+
+
+class PlannedFromBaseFunction(torch.autograd.Function):
+    """``DoRAFromBaseFunction`` for the one call a training plan covers
+    (``doracheck.integrations.peft_train``): the first active adapter of a frozen, unbiased or
+    biased base layer, no dropout, ``fan_in_fan_out`` off, eager (nothing traces), autocast off,
+    every parameter a module ``nn.Parameter``. The same forward (``forward.from_base_forward``,
+    ``result`` rewritten in place), the same record and the same backward; what the plan already
+    checked is not asked again, and the Function takes eight arguments instead of thirteen."""
+
+    @staticmethod
+    def forward(ctx, result, x, weight, lora_A, lora_B, magnitude, bias, scaling, backend):
+        a = LayerArgs(weight, lora_A, lora_B, magnitude, bias, scaling)
+        with our_numerics(result.device.type):
+            out, saved = forward_pass.from_base_forward(result, x, a, None, backend, need_saved=True)
+        ctx.mark_dirty(result)
+        _save(ctx, saved, a, x.shape[:-1], held=(weight, lora_A, lora_B, magnitude, bias))
+        ctx.result_is_base = True
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        return (*_from_base_grads(ctx, dy), None, None)
 
 
 def _through_result(dy2: torch.Tensor, saved: Saved, db: torch.Tensor | None):

@@ -36,7 +36,9 @@ from torch import nn
 from doracheck import inference_norms
 from doracheck.autograd import dora_from_base
 from doracheck.inference_norms import _ARMED
+from doracheck.integrations import peft_train
 from doracheck.integrations.peft_armed import armed_forward
+from doracheck.numerics import _autocast_enabled
 from doracheck.validation import check_dora_inputs
 
 logger = logging.getLogger("doracheck")
@@ -49,11 +51,18 @@ class DoracheckDoraLinearVariant(DoraLinearVariant):
     @staticmethod
     def forward(module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:  # type: ignore[override]
         # Not while torch.compile traces: the compiled graph keeps the general path's functional form.
-        if not torch.is_grad_enabled() and module.__dict__.get(_ARMED) and not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        grad = torch.is_grad_enabled()
+        if not grad and module.__dict__.get(_ARMED) and not compiling:
             y = armed_forward(module, active_adapter, x, result, kwargs)
             if y is not None:
                 return y
-        base_layer, lora_A_mod, lora_B_mod, magnitude_mod, dropout, lora_A_dict = _submodules(module, active_adapter)
+        elif grad and not compiling and peft_train.ENABLED:  # a training call: the layer's plan, if it holds
+            y = peft_train.train_forward(module, active_adapter, x, result, kwargs)
+            if y is not None:
+                return y
+        submodules = _submodules(module, active_adapter)
+        base_layer, lora_A_mod, lora_B_mod, magnitude_mod, dropout, lora_A_dict = submodules
         weight = base_layer.weight
         dropout_active = module.training and not isinstance(dropout, nn.Identity)
         p = float(getattr(dropout, "p", 0.0))
@@ -85,7 +94,7 @@ class DoracheckDoraLinearVariant(DoraLinearVariant):
         if dropout_active and p > 0:
             # The same draw PEFT's dropout(x) would make (same shape, dtype, device, RNG state).
             keep = dropout(torch.ones_like(x)) != 0
-        return dora_from_base(
+        y = dora_from_base(
             x,
             result,
             weight,
@@ -100,6 +109,11 @@ class DoracheckDoraLinearVariant(DoraLinearVariant):
             result_is_base,
             n_safe,
         )
+        if (grad and not compiling and result_is_base and not dropout_active and not module.fan_in_fan_out
+                and peft_train.ENABLED and not _autocast_enabled(x.device.type)
+                and (x.requires_grad or lora_A.requires_grad or lora_B.requires_grad or magnitude.requires_grad)):
+            peft_train.keep_plan(module, active_adapter, submodules, x, result, scaling)  # checked in full: plan the next call
+        return y
 
 
 def _submodules(module: nn.Module, adapter: str):
