@@ -13,7 +13,9 @@ unchanged, so generation pays for it once), the fused up-projection + stable com
 backward that computes dx itself, so the base layer's backward GEMM never runs. ``enable`` also
 hooks the model so that forwards without grad mode read each layer's norm from a module buffer
 kept up to date before the forward (``doracheck.inference_norms``): compiled inference and
-decode then stop recomputing norms.
+decode then stop recomputing norms. Repeat calls take shorter paths where the layer keeps a plan:
+armed inference calls (``peft_armed``) and eager training calls (``peft_train``); both compute
+bitwise what the general path does.
 
 Stays on PEFT's path (one info log line per ``enable`` call): embedding and conv DoRA,
 quantized or otherwise non-float base layers, a trainable base weight, and, per call, a
