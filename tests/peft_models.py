@@ -69,3 +69,37 @@ def enabled_dora_model(seed: int = 0, **kwargs):
     model = dora_model(seed, **kwargs)
     enable(model)
     return model.eval()
+
+
+def count_plan_runs(monkeypatch, plan_class) -> list:
+    """Patch ``plan_class.run`` to record, for each call, whether the plan answered it (not
+    None); returns that list (for the armed and the training plans' tests)."""
+    runs: list = []
+    real = plan_class.run
+
+    def counted(self, *args):
+        y = real(self, *args)
+        runs.append(y is not None)
+        return y
+
+    monkeypatch.setattr(plan_class, "run", counted)
+    return runs
+
+
+def enabled_biased_mlp():
+    """A two-layer MLP with biases, PEFT DoRA on both linear layers (lora_B off zero), routed
+    through doracheck, the process's norm cache emptied first (seeded)."""
+    import peft
+
+    from doracheck.integrations.peft import enable
+    from doracheck.norm_cache import clear_norm_cache
+
+    clear_norm_cache()
+    torch.manual_seed(3)
+    base = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.ReLU(), torch.nn.Linear(24, 8))
+    m = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["0", "2"]))
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return enable(m)

@@ -20,13 +20,11 @@ import torch
 
 pytest.importorskip("peft")
 
-from peft_models import enabled_dora_model, tokens  # noqa: E402
+from peft_models import count_plan_runs, enabled_biased_mlp, enabled_dora_model, tokens  # noqa: E402
 
 from doracheck import inference_norms  # noqa: E402
 from doracheck.integrations import peft as integration  # noqa: E402
 from doracheck.integrations import peft_armed  # noqa: E402
-from doracheck.integrations.peft import enable  # noqa: E402
-from doracheck.norm_cache import clear_norm_cache  # noqa: E402
 
 
 @pytest.fixture
@@ -37,16 +35,7 @@ def model():
 @pytest.fixture
 def plan_runs(monkeypatch):
     """How many armed calls the plans answered (not None)."""
-    runs = []
-    real = peft_armed.ArmedPlan.run
-
-    def counted(self, *args):
-        y = real(self, *args)
-        runs.append(y is not None)
-        return y
-
-    monkeypatch.setattr(peft_armed.ArmedPlan, "run", counted)
-    return runs
+    return count_plan_runs(monkeypatch, peft_armed.ArmedPlan)
 
 
 def _logits(m, ids):
@@ -196,17 +185,7 @@ def test_a_plan_is_not_used_once_anything_it_was_made_from_changed(model, change
 
 
 def test_a_layer_with_a_bias_runs_through_its_plan_bitwise(plan_runs, monkeypatch):
-    import peft
-
-    clear_norm_cache()
-    torch.manual_seed(3)
-    base = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.ReLU(), torch.nn.Linear(24, 8))
-    m = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["0", "2"]))
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
-    enable(m)
+    m = enabled_biased_mlp()
     m.eval()
     x = torch.randn(5, 16)
     torch.set_grad_enabled(False)

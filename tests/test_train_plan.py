@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("peft")
 
-from peft_models import dora_model, tokens  # noqa: E402
+from peft_models import count_plan_runs, dora_model, enabled_biased_mlp, tokens  # noqa: E402
 
 from doracheck.dispatch import use_path  # noqa: E402
 from doracheck.integrations import peft_train  # noqa: E402
@@ -31,16 +31,7 @@ from doracheck.norm_cache import clear_norm_cache  # noqa: E402
 @pytest.fixture
 def plan_runs(monkeypatch):
     """Each training call a kept plan was asked about: True where it ran the call."""
-    runs = []
-    real = peft_train.TrainPlan.run
-
-    def counted(self, *args):
-        y = real(self, *args)
-        runs.append(y is not None)
-        return y
-
-    monkeypatch.setattr(peft_train.TrainPlan, "run", counted)
-    return runs
+    return count_plan_runs(monkeypatch, peft_train.TrainPlan)
 
 
 @pytest.fixture
@@ -212,17 +203,7 @@ def test_the_plan_declines_what_it_does_not_cover(plans_on, case):
 
 
 def test_a_planned_call_is_the_general_call_bitwise_with_a_bias(plans_on, plan_runs, monkeypatch):
-    import peft
-
-    clear_norm_cache()
-    torch.manual_seed(3)
-    base = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.ReLU(), torch.nn.Linear(24, 8))
-    m = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["0", "2"]))
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
-    enable(m)
+    m = enabled_biased_mlp()
     x = torch.randn(5, 16, requires_grad=True)
 
     def run():
