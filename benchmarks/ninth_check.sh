@@ -12,6 +12,9 @@
 #   phases_reversed              the same, the models built in the other order
 #   phases_plans                 phase_lag.py: LoRA, doracheck, doracheck without its training plans (twelfth session)
 #   breakdown                    host_breakdown.py: host µs of each part of one layer call (4096², r 384, T 16)
+#   lines                        layer_host.py: one layer's training call, host µs, LoRA and doracheck with and
+#                                without plans; then py-spy line samples of a loop of each (LINES_ROWS; .tools/ carried)
+#   lines_ab                     layer_host.py with this checkout and with .old/, alternating, twice
 #   abplans                      ab_step.py: LoRA, doracheck, doracheck without its training plans, interleaved in one
 #                                process, twice
 #   decode                       decode_ab.py: eager decode, LoRA and doracheck interleaved in one process
@@ -70,6 +73,22 @@ fi
 if [[ $PARTS == *,breakdown,* ]]; then
   step breakdown 150 $PY host_breakdown.py --out "$R/host_breakdown.txt"
 fi
+if [[ $PARTS == *,lines,* ]]; then  # one layer's host time per call, and line by line under py-spy (needs .tools/)
+  step layer_host 150 $PY layer_host.py
+  $PY -m pip install -q --no-deps ../.tools/py_spy*.whl >"$R/pyspy_install.log" 2>&1
+  for row in ${LINES_ROWS:-dc_fwd lora_fwd dc_step}; do
+    step lines_$row 60 py-spy record --nonblocking --format raw --rate 1000 -o "$R/lines_$row.txt" -- \
+      $PY layer_host.py --loop $row --seconds 15
+    $PY stack_summary.py "$R/lines_$row.txt" --files doracheck,kernels,peft,torch --top 70 >"$R/lines_summary_$row.txt"
+    gzip -f "$R/lines_$row.txt"
+  done
+fi
+if [[ $PARTS == *,lines_ab,* && -n ${OLD:-} ]]; then  # layer_host.py, this checkout and .old/ alternating, twice
+  for i in 1 2; do
+    step layer_host_new_$i 100 $PY layer_host.py --calls 100
+    step layer_host_old_$i 100 $OLD $PY layer_host.py --calls 100
+  done
+fi
 if [[ $PARTS == *,abplans,* ]]; then
   for i in 1 2; do
     step abplans_$i 170 $PY ab_step.py --rounds 5 --steps 4 --csv "$R/ab_step_plans_$i.csv" --configs "lora;dc:chunk=32;dc:chunk=32,plans=0"
@@ -102,6 +121,7 @@ grep -v DEBUG "$R/retest.log" 2>/dev/null | grep -E "^(FAILED|ERROR)|passed|fail
 grep -A 13 "^== " "$R/profile.log" 2>/dev/null | cut -c1-150 | head -n 32
 grep -E "per step under cProfile" "$R/cprofile.log" 2>/dev/null
 head -n 40 "$R/host_breakdown.txt" 2>/dev/null
+for f in "$R"/layer_host*.log; do [[ -f $f ]] && { echo "$(basename "$f")"; grep -E "^round" "$f" | tr '\n' ' '; echo; }; done
 grep -v -E "^(DEBUG|WARNING|INFO)" "$R/gaps.log" 2>/dev/null | cut -c1-170 | tail -n 40
 grep -v -E "^(DEBUG|WARNING|INFO|\[)" "$R/phases.log" "$R/phases_reversed.log" "$R/phases_plans.log" 2>/dev/null | grep -E "step|forward|backward|impl"
 for f in "$R"/abstep_*.log "$R"/abplans_*.log; do [[ -f $f ]] && { echo "$(basename "$f")"; tail -n 7 "$f"; }; done

@@ -36,6 +36,8 @@ def parse(lines):
         if not raw:
             continue
         body, _, count = raw.rpartition(" ")
+        if not count.isdigit():  # a line py-spy cut short (it writes "Errors: N" when samples fail)
+            continue
         frames = body.split(";")
         if any(any(s in f for s in _SKIP) for f in frames):
             continue

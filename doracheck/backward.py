@@ -158,7 +158,7 @@ def _prescale(p: _Pass) -> None:
         if p.need.dx or p.need.dA:
             gB = torch.empty_like(p.B)
             torch.mul(p.B, g[:, None], out=gB)  # fp32 product, rounded once to cd (as dz = g⊙dy is)
-            p.dzB_all = p.dy2 @ gB
+            p.dzB_all = torch.mm(p.dy2, gB)
             del gB
         if p.dx2 is not None:
             torch.addmm(_zero_scalar(p.dx2), p.dzB_all, p.A, beta=0, alpha=s, out=p.dx2)
@@ -215,7 +215,7 @@ def _chunk(p: _Pass, t0: int, t1: int) -> None:
     elif p.dzB_all is not None:  # written straight into its rows of the T×r buffer
         p.dzB = torch.mm(dz, p.B, out=p.dzB_all[t0:t1])
     else:
-        p.dzB = dz @ p.B
+        p.dzB = torch.mm(dz, p.B)  # 2-D: the mm of dz @ B, without Tensor.__matmul__'s Python wrapper
     if p.dx2 is not None and not p.prescaled:
         _dx_chunk(p, t0, t1, dz, dy_c, keep_c)
     if need.dB and not p.prescaled:  # one chunk: s inside the GEMM; several: an fp32 accumulator

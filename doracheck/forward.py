@@ -25,6 +25,7 @@ and g = m / max(n, eps) is formed inside the compose.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import norm_cache, planner
 from .kernels.backends import Backend
@@ -114,8 +115,8 @@ def _projections(x2, x_d, W, A, a: LayerArgs, variant, need_saved: bool):
         del Wm
         xa = x_d @ A.t() if need_saved and variant.save_xa else None
         return base, xa, base.new_empty(base.shape[0], 0), base.new_empty(base.shape[1], 0)
-    base = x2 @ W.t()
-    xa = x_d @ A.t()
+    base = F.linear(x2, W)  # ATen's 2-D linear without bias is matmul(x, Wᵀ): the mm of x2 @ W.t(), fewer host steps
+    xa = F.linear(x_d, A)
     return base, (xa if not need_saved or variant.save_xa else None), xa, a.lora_B
 
 
@@ -160,7 +161,7 @@ def _infer_into(r2: torch.Tensor, x2: torch.Tensor, lora_A, lora_B, magnitude, b
     """r2 (T, d_out) = b + g⊙(r2 - b + s·(x2·Aᵀ)·Bᵀ), g = m / n_safe formed in the compose: the
     inference compose of both entry points (the armed short path and ``from_base_forward``)."""
     A = in_dtype(lora_A, x2.dtype)
-    _write(r2, backend.compose_infer(r2, x2 @ A.t(), lora_B, magnitude, n_safe, _contiguous_bias(bias), scaling, True))
+    _write(r2, backend.compose_infer(r2, F.linear(x2, A), lora_B, magnitude, n_safe, _contiguous_bias(bias), scaling, True))
 
 
 def _write(r2: torch.Tensor, y: torch.Tensor) -> None:
@@ -193,7 +194,7 @@ def from_base_forward(result: torch.Tensor, x: torch.Tensor, a: LayerArgs, keep_
         return out, None
     A = in_dtype(a.lora_A, cd)
     keep, x_d = _keep(keep_mask, x, x2, a.dropout_p)
-    xa = x_d @ A.t()
+    xa = F.linear(x_d, A)  # the mm of x_d @ A.t() (ATen's 2-D linear without bias), without Tensor.__matmul__'s wrapper
     from_output = False
     if keep is not None:  # result already holds b
         base_d = x_d @ in_dtype(rows(a.weight, a.fan_in_fan_out), cd).t()
