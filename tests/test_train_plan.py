@@ -265,3 +265,30 @@ def test_plans_off_by_the_switch(plan_runs, monkeypatch):
     layer(x)
     layer(x)
     assert plan_runs == [] and not layer.__dict__.get(peft_train._TRAIN_PLANS)
+
+
+def test_a_meta_model_trains_through_its_plans():
+    """Meta tensors (a model sized before it is materialised): autocast has no meta device, and a
+    plan asked torch about it directly, which raised on the second call (found in review)."""
+    clear_norm_cache()
+    model = dora_model(0)
+    enable(model)
+    model.train()
+    model = model.to("meta")
+    ids = tokens().to("meta")
+    for _ in range(2):
+        assert model(ids).logits.shape == (2, 12, 96)
+
+
+def test_a_parameter_written_with_an_inference_tensor_is_refused_as_by_the_general_path(plans_on, plan_runs):
+    """A ``.data`` write of an inference tensor keeps the parameter object and makes it an
+    inference tensor: the general path refuses to save it for the backward; the plan must not
+    hold it on the ctx instead (found in review: it trained silently)."""
+    _, layer, x = _layer_with_plan()
+    A = layer.lora_A["default"].weight
+    with torch.inference_mode():
+        A.data = A.detach().clone()
+    with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+        layer(x)
+    assert plan_runs == [False]
+

@@ -39,6 +39,7 @@ from doracheck import dispatch, norm_cache
 from doracheck.autograd import PlannedFromBaseFunction
 from doracheck.integrations.peft_armed import _Plans
 from doracheck.kernels.tracing import tracing
+from doracheck.numerics import _autocast_enabled
 
 _TRAIN_PLANS = "_doracheck_train_plans"  # on each layer module: _Plans {adapter: TrainPlan}
 ENABLED = os.environ.get("DORACHECK_TRAIN_PLANS", "1") != "0"  # tests and benchmarks may set it
@@ -85,7 +86,8 @@ class TrainPlan:
         B_mod: Any = mods["lora_B"]._modules.get(adapter)
         m_mod: Any = mods["lora_magnitude_vector"]._modules.get(adapter)
         dropout = mods["lora_dropout"]._modules.get(adapter)
-        if A_mod is not refs[1]() or B_mod is not refs[2]() or m_mod is not refs[3]() or dropout is not refs[4]():
+        if (A_mod is None or B_mod is None or m_mod is None or A_mod is not refs[1]() or B_mod is not refs[2]()
+                or m_mod is not refs[3]() or dropout is not refs[4]()):  # None first: a dead reference is None too
             return None
         bp = base_layer._parameters
         weight: Any = bp.get("weight")
@@ -98,6 +100,11 @@ class TrainPlan:
                 or "base_layer" in base_layer._modules
                 or (bias is not None and bias is not refs[9]())):  # type: ignore[misc]
             return None
+        # Held on the ctx only as module parameters outside inference mode (``autograd._held_on_ctx``):
+        # ``torch.utils.swap_tensors`` or a ``.data`` write of an inference tensor changes that in place.
+        for p in (weight, lora_A, lora_B, magnitude, bias):
+            if p is not None and (type(p) is not nn.Parameter or p.is_inference()):
+                return None
         active = md.get("_active_adapter")
         if ((active != adapter and active != [adapter]) or weight.requires_grad or md.get("fan_in_fan_out")
                 or (md.get("training") and type(dropout) is not nn.Identity)
@@ -112,7 +119,7 @@ class TrainPlan:
                 or result.shape[:-1] != x.shape[:-1] or not result.is_contiguous()
                 or not (x.requires_grad or lora_A.requires_grad or lora_B.requires_grad or magnitude.requires_grad
                         or (bias is not None and bias.requires_grad))
-                or torch.is_autocast_enabled(self.device_type) or tracing() or norm_cache.fsdp_active()):
+                or _autocast_enabled(self.device_type) or tracing() or norm_cache.fsdp_active()):
             return None
         backend = dispatch.backend_for(x, weight, lora_A, lora_B, magnitude, bias)  # use_path / DORACHECK_PATH, as now
         return PlannedFromBaseFunction.apply(result, x, weight, lora_A, lora_B, magnitude, bias, self.scaling, backend)
