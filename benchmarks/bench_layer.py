@@ -7,13 +7,17 @@ Implementations (bf16 activations, frozen bf16 base weight, no bias, dropout 0):
   doracheck_bf16  doracheck.DoRALinear, bf16 adapters
   doracheck_fp32  doracheck.DoRALinear, fp32 adapters (PEFT's default dtype)
 Modes: ``infer`` (eval, no_grad forward; doracheck reuses its norm cache across calls, PEFT's
-DoRA cache is off by default) and ``train`` (forward + backward, x requires grad, adapter
-grads reset to None between repetitions by do_bench). Times: triton.testing.do_bench
+DoRA cache is off by default), ``train`` (forward + backward, x requires grad, adapter
+grads reset to None between repetitions by do_bench; no optimizer, so doracheck's norm stays
+cached: labelled as such) and ``step`` (forward + backward + fused AdamW ``optimizer.step()``
+on the trainable parameters + ``zero_grad``, so every call recomputes the norm, as training
+does; for the frozen ``nn.Linear`` there is nothing to update and its row is forward + backward,
+the reference issue 17's layer target divides by). Times: triton.testing.do_bench
 (CUDA events, L2 flushed between repetitions), median and 20/80% quantiles. Peak memory:
 ``max_memory_allocated`` during one call minus what was allocated before it (resident:
 weights, adapters, x, dy). Random, non-zero data everywhere (B is not left at zero).
 
-Usage: python benchmarks/bench_layer.py [--csv FILE] [--shapes 4096x4096r16,...] [--tokens 1,4096]
+Usage: python benchmarks/bench_layer.py [--csv FILE] [--shapes 4096x4096r16,...] [--tokens 1,4096] [--modes infer,train,step]
 Prints a table last; writes the CSV (GPU name, versions, shape, mode, median, quantiles, MiB).
 """
 
@@ -102,7 +106,7 @@ def measure(model: nn.Module, mode: str, x: torch.Tensor, dy: torch.Tensor):
                 return model(x)
 
         grad_to_none = None
-    else:
+    elif mode == "train":
         model.train()
         xg = x.detach().requires_grad_(True)
 
@@ -110,6 +114,18 @@ def measure(model: nn.Module, mode: str, x: torch.Tensor, dy: torch.Tensor):
             model(xg).backward(dy)
 
         grad_to_none = [xg, *params]
+    else:  # step: the update in the call, so no norm survives from one call to the next
+        model.train()
+        xg = x.detach().requires_grad_(True)
+        opt = torch.optim.AdamW(params, lr=1e-5, fused=True) if params else None
+
+        def fn():
+            model(xg).backward(dy)
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+        grad_to_none = [xg]
     fn()  # warm-up (compilation, norm cache)
     torch.cuda.synchronize()
     ms = triton.testing.do_bench(fn, warmup=50, rep=300, grad_to_none=grad_to_none, quantiles=[0.5, 0.2, 0.8])
@@ -133,6 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--tokens", default="1,4096")
     ap.add_argument("--impls", default="linear,peft_dora_fp32,peft_dora_bf16,doracheck_bf16,doracheck_fp32")
+    ap.add_argument("--modes", default="infer,train,step", help="infer, train (no optimizer), step (+ fused AdamW)")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -152,7 +169,7 @@ def main(argv=None) -> int:
             results = {}
             for impl in impls:
                 model = build(impl, d_in, d_out, r)
-                for mode in ("infer", "train"):
+                for mode in args.modes.split(","):
                     (med, q20, q80), peak = measure(model, mode, x, dy)
                     results[(impl, mode)] = (med, q20, q80, peak)
                 del model

@@ -6,7 +6,12 @@ the same in every doracheck configuration. ``flags=off`` runs a configuration wi
 16-bit reduction flags off for the whole process (doracheck then has nothing to switch around
 its GEMMs: an A/B of the switching itself).
 
-    python benchmarks/decode_ab.py --new-tokens 64 --rounds 5 --csv out.csv
+``--compiled``: every model's forward under ``torch.compile(mode="reduce-overhead")`` with
+transformers' static KV cache, as users serve compiled decode (``bench_step.py --mode
+decode_compiled`` runs one model per process instead; these processes differed by up to 15% for
+LoRA itself, so the compiled ratio is taken here, interleaved).
+
+    python benchmarks/decode_ab.py --new-tokens 64 --rounds 5 --csv out.csv [--compiled]
 """
 
 from __future__ import annotations
@@ -32,12 +37,19 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--csv")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--compiled", action="store_true", help="torch.compile(mode='reduce-overhead') and a static KV cache")
     args, _ = ap.parse_known_args(argv)
     configs = parse_configs(args.configs)
     models = {}
     for kind, impl in (("lora", "peft_lora_bf16"), ("dc", "doracheck_bf16")):
         if any(c["kind"] == kind for _, c in configs):
             models[kind] = build(impl, args, checkpointing=False).eval()
+            if args.compiled:
+                models[kind].forward = torch.compile(models[kind].forward, mode="reduce-overhead")
+    generate_kwargs: dict = {"do_sample": False}
+    if args.compiled:
+        generate_kwargs["cache_implementation"] = "static"
+    mode = "decode_compiled" if args.compiled else "decode_eager"
     prompt = torch.randint(0, 32000, (1, 32), generator=torch.Generator().manual_seed(1)).to(args.device)
     n = args.new_tokens
     cuda = args.device == "cuda"
@@ -61,7 +73,7 @@ def main(argv=None) -> int:
         try:
             with torch.no_grad():
                 t0 = time.perf_counter()
-                out = models[c["kind"]].generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+                out = models[c["kind"]].generate(prompt, max_new_tokens=n, min_new_tokens=n, **generate_kwargs)
                 if cuda:
                     torch.cuda.synchronize()
                 return out, (out.shape[1] - prompt.shape[1]) / (time.perf_counter() - t0)
@@ -93,7 +105,7 @@ def main(argv=None) -> int:
         ratio = med / base if base else float("nan")
         print(f"{name:24s} {med:8.1f} {quantile(r, 0.2):8.1f} {quantile(r, 0.8):8.1f} {ratio:7.3f}")
         if writer:
-            writer.add({"config": name, "mode": "decode_eager", "value": round(med, 2), "p20": round(quantile(r, 0.2), 2),
+            writer.add({"config": name, "mode": mode, "value": round(med, 2), "p20": round(quantile(r, 0.2), 2),
                         "p80": round(quantile(r, 0.8), 2), "unit": "tok/s", "ratio_to_lora": round(ratio, 3),
                         "samples": len(r), "new_tokens": n, "rank": args.rank, "layers": args.layers, "dtype": "bf16",
                         **versions})

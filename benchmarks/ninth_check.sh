@@ -22,6 +22,11 @@
 #   sample                       host_sample_step.py under py-spy (non-blocking, 250 Hz), LoRA and doracheck, and
 #                                stack_summary.py of each (needs the py-spy wheel in .tools/, carried; SAMPLE_IMPLS:
 #                                which, default both)
+#   layer_step                   bench_layer.py at 8192², r 384, T 4096 and T 1: infer, train (no optimizer) and step
+#                                (+ fused AdamW) for nn.Linear, PEFT DoRA and doracheck (thirteenth session)
+#   decode_compiled              decode_ab.py --compiled: compiled decode (static cache, reduce-overhead), LoRA and
+#                                doracheck interleaved in one process, twice
+#   graphs_order                 tests/test_norm_graphs.py in one process, a failed capture first (the RNG state)
 # .old/ holds `git archive` of the commit to compare against (ignored by git, named in carry).
 set -u
 source benchmarks/gpu_common.sh
@@ -32,6 +37,13 @@ GPU_TESTS="tests/test_norm_graphs.py tests/test_kernels_gpu.py tests/test_traini
 if [[ $PARTS == *,tests,* ]]; then
   # shellcheck disable=SC2086
   step gpu_tests 260 $PY -m pytest -m gpu -q -n 4 -p no:cacheprovider -rs $(ls $GPU_TESTS 2>/dev/null)
+fi
+if [[ $PARTS == *,graphs_order,* ]]; then  # the failed capture's test before the ones that draw CUDA random numbers
+  step graphs_order 150 $PY -m pytest -m gpu -q -p no:cacheprovider -rs \
+    "tests/test_norm_graphs.py::test_a_failed_capture_leaves_the_default_generator_usable_and_where_it_was" \
+    "tests/test_norm_graphs.py::test_a_failed_capture_leaves_the_allocator_usable_and_graphs_off" \
+    "tests/test_norm_graphs.py::test_a_fused_adamw_layer_loop_is_bitwise_the_same_with_and_without_graphs" \
+    tests/test_train_plan.py
 fi
 if [[ $PARTS == *,retest,* ]]; then  # the tests that failed in the previous call, after their fix
   step retest 200 $PY -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_zero_magnitude.py \
@@ -102,6 +114,15 @@ if [[ $PARTS == *,sample,* ]]; then  # where the host time goes, without a traci
     $PY stack_summary.py "$R/stacks_$i.txt" --rate 250 --steps 45 --top 70 >"$R/summary_$i.txt" && gzip -f "$R/stacks_$i.txt"
   done
 fi
+if [[ $PARTS == *,layer_step,* ]]; then
+  step layer_step 240 $PY bench_layer.py --shapes 8192x8192r384 --tokens 4096,1 \
+    --impls linear,peft_dora_bf16,doracheck_bf16,doracheck_fp32 --csv "$R/layer_step.csv"
+fi
+if [[ $PARTS == *,decode_compiled,* ]]; then
+  for i in 1 2; do
+    step decode_compiled_$i 240 $PY decode_ab.py --compiled --new-tokens 64 --rounds 5 --csv "$R/decode_compiled_$i.csv"
+  done
+fi
 if [[ $PARTS == *,decode,* ]]; then
   step decode_new 120 $PY decode_ab.py --new-tokens 64 --rounds 5 --csv "$R/decode_new.csv"
 fi
@@ -126,5 +147,8 @@ grep -v -E "^(DEBUG|WARNING|INFO)" "$R/gaps.log" 2>/dev/null | cut -c1-170 | tai
 grep -v -E "^(DEBUG|WARNING|INFO|\[)" "$R/phases.log" "$R/phases_reversed.log" "$R/phases_plans.log" 2>/dev/null | grep -E "step|forward|backward|impl"
 for f in "$R"/abstep_*.log "$R"/abplans_*.log; do [[ -f $f ]] && { echo "$(basename "$f")"; tail -n 7 "$f"; }; done
 tail -n 4 "$R/decode_new.log" 2>/dev/null
+grep -v DEBUG "$R/graphs_order.log" 2>/dev/null | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 5
+grep -E "^[0-9]+x[0-9]+ r" "$R/layer_step.log" 2>/dev/null
+for f in "$R"/decode_compiled_*.log; do [[ -f $f ]] && { echo "$(basename "$f")"; tail -n 4 "$f"; }; done
 for i in peft_lora_bf16 doracheck_bf16; do [[ -f $R/summary_$i.txt ]] && { grep "per step" "$R/sample_$i.log"; head -n 12 "$R/summary_$i.txt" | cut -c1-120; }; done
 finish

@@ -21,7 +21,8 @@ When a graph is used (``graphed_norm`` returns None otherwise and the caller lau
   tensor the graph reads.
 - no capture has failed in this process: after one raises (out of memory at the peak of a
   forward, another thread capturing in global mode), every norm is launched eagerly, with a
-  warning, until ``clear()`` (and the allocator is told the capture ended: torch 2.11 does not);
+  warning, until ``clear()`` (and the allocator is told the capture ended and the default CUDA
+  generator is taken out of capture mode: torch 2.11 does neither after a failed capture);
 - ``DORACHECK_NORM_GRAPHS=0`` in the environment turns graphs off, and so does
   ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` (no caching allocator, no private pools).
 
@@ -141,7 +142,11 @@ def _capture(key: tuple, terms: Callable[[], torch.Tensor], device: torch.device
     side.wait_stream(current)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
-        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        except BaseException:
+            _end_generator_capture(device)
+            raise
         try:
             out = terms()
         except BaseException:
@@ -157,8 +162,32 @@ def _end_capture(graph, device: torch.device, pool, raising: bool) -> None:
         graph.capture_end()
     except Exception:
         _end_pool_allocation(device, pool)
+        _end_generator_capture(device)
         if raising:
             raise
+
+
+def _end_generator_capture(device: torch.device) -> None:
+    """After a capture that failed to begin or to end: ``capture_begin`` puts the device's
+    default CUDA generator in capture mode and only a ``capture_end`` that succeeds takes it out
+    (torch 2.11), so the user's next CUDA random call outside a capture raised "Offset
+    increment outside graph capture encountered unexpectedly" (seen on the H200:
+    ``kaiming_uniform_`` in a later test of the same process). A capture of one fill that ends
+    cleanly runs the generator's capture epilogue. It draws no random numbers, so the
+    generator's seed and offset stay what they were (tests/test_norm_graphs.py checks both).
+    Run on the stream and device of the failed capture; if this capture fails too, the device
+    is in a state no fill can mend and the failed capture's error is the one to report."""
+    try:
+        scratch = torch.zeros(1, device=device)
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            scratch.fill_(1.0)
+        finally:
+            graph.capture_end()
+        del graph
+    except Exception:  # noqa: BLE001 (best effort: see the docstring)
+        pass
 
 
 def _end_pool_allocation(device: torch.device, pool) -> None:

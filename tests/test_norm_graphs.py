@@ -171,6 +171,7 @@ def _fake_capture_that_fails_to_end(monkeypatch, calls: list) -> None:
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda device, pool: calls.append(("end", device, pool)),
                         raising=False)
+    monkeypatch.setattr(norm_graphs, "_end_generator_capture", lambda device: calls.append(("generator", device.index)))
 
 
 def test_a_capture_that_fails_to_end_hands_the_pool_back_to_the_allocator(monkeypatch):
@@ -180,7 +181,7 @@ def test_a_capture_that_fails_to_end_hands_the_pool_back_to_the_allocator(monkey
     _fake_capture_that_fails_to_end(monkeypatch, calls)
     with pytest.raises(RuntimeError, match="stream is capturing"):
         norm_graphs._capture((0, 0), lambda: torch.zeros(2, 2), torch.device("cuda", 0))
-    assert calls == [("begin", "pool"), ("end", 0, "pool")]
+    assert calls == [("begin", "pool"), ("end", 0, "pool"), ("generator", 0)]
 
 
 def test_a_capture_whose_launches_fail_reports_their_error_not_the_end_of_capture(monkeypatch):
@@ -192,7 +193,22 @@ def test_a_capture_whose_launches_fail_reports_their_error_not_the_end_of_captur
 
     with pytest.raises(torch.OutOfMemoryError):
         norm_graphs._capture((0, 0), out_of_memory, torch.device("cuda", 0))
-    assert calls == [("begin", "pool"), ("end", 0, "pool")]
+    assert calls == [("begin", "pool"), ("end", 0, "pool"), ("generator", 0)]
+
+
+def test_a_capture_that_fails_to_begin_takes_the_generator_out_of_capture_mode(monkeypatch):
+    """capture_begin puts the default CUDA generator in capture mode before it begins the stream
+    capture: when the begin raises, the generator is mended too."""
+    calls: list = []
+    _fake_capture_that_fails_to_end(monkeypatch, calls)
+
+    def begin_fails(self, pool, capture_error_mode):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", begin_fails)
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        norm_graphs._capture((0, 0), lambda: pytest.fail("no launches after a failed begin"), torch.device("cuda", 0))
+    assert calls == [("generator", 0)]
 
 
 def test_no_forward_ad_inside_even_for_a_dual_A(monkeypatch):
@@ -387,6 +403,34 @@ def test_a_failed_capture_leaves_the_allocator_usable_and_graphs_off():
     del scratch
     torch.cuda.empty_cache()
     assert not norm_graphs.enabled() and norm_graphs.stats()["failed"] == 1
+    got, want = _terms(W, A, B, 1.0), _eager_terms(W, A, B, 1.0)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@cuda
+def test_a_failed_capture_leaves_the_default_generator_usable_and_where_it_was():
+    """capture_begin puts the default CUDA generator in capture mode and torch 2.11 takes it out
+    only in a capture_end that succeeds: after a failed norm capture, the user's next CUDA
+    random call raised "Offset increment outside graph capture encountered unexpectedly"
+    (seen on the H200 in a later test of the same worker). It must work, and draw what it
+    would have drawn with no capture attempted."""
+    W, A, B = _adapter(seed=4)
+
+    def bad_terms():
+        torch.cuda.synchronize()  # not permitted while the stream is being captured
+        return torch.zeros(4, W.shape[0], device="cuda")
+
+    torch.cuda.manual_seed(123)
+    want = torch.rand(1000, device="cuda")
+    torch.cuda.manual_seed(123)
+    with pytest.warns(RuntimeWarning, match="capturing a norm graph failed"):
+        for _ in range(2):
+            assert norm_graphs.graphed_norm(W, A, B, 1.0, False, bad_terms) is None
+    assert norm_graphs.stats()["failed"] == 1
+    got = torch.rand(1000, device="cuda")  # raised before the fix
+    assert torch.equal(got, want)
+    layer = torch.nn.Linear(64, 32, device="cuda")  # kaiming_uniform_ on the default generator, as in the failure seen
+    assert torch.isfinite(layer.weight).all()
     got, want = _terms(W, A, B, 1.0), _eager_terms(W, A, B, 1.0)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
