@@ -27,6 +27,8 @@
 #   decode_compiled              decode_ab.py --compiled: compiled decode (static cache, reduce-overhead), LoRA and
 #                                doracheck interleaved in one process, twice
 #   graphs_order                 tests/test_norm_graphs.py in one process, a failed capture first (the RNG state)
+#   graphs_mutant                the RNG test with the fix taken out: it must fail (rc 1)
+#   profile_compiled             profile_model_step.py --mode compiled: LoRA, doracheck, PEFT DoRA (bf16), kernels by GPU time
 # .old/ holds `git archive` of the commit to compare against (ignored by git, named in carry).
 set -u
 source benchmarks/gpu_common.sh
@@ -45,6 +47,13 @@ if [[ $PARTS == *,graphs_order,* ]]; then  # the failed capture's test before th
     "tests/test_norm_graphs.py::test_a_fused_adamw_layer_loop_is_bitwise_the_same_with_and_without_graphs" \
     tests/test_train_plan.py
 fi
+if [[ $PARTS == *,graphs_mutant,* ]]; then  # the RNG test must fail with the generator left in capture mode
+  step graphs_mutant 120 $PY -c "import sys, pytest
+from doracheck.kernels import norm_graphs
+norm_graphs._end_generator_capture = lambda device: None  # the fix taken out
+sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider',
+  'tests/test_norm_graphs.py::test_a_failed_capture_leaves_the_default_generator_usable_and_where_it_was']))"
+fi
 if [[ $PARTS == *,retest,* ]]; then  # the tests that failed in the previous call, after their fix
   step retest 200 $PY -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_zero_magnitude.py \
     "tests/test_kernels_gpu.py::test_torch_compile_fullgraph_within_the_oracle_budget" tests/test_compile_fullgraph.py
@@ -58,6 +67,10 @@ fi
 cd benchmarks
 if [[ $PARTS == *,profile,* ]]; then
   step profile 200 $PY profile_model_step.py --impls peft_lora_bf16,doracheck_bf16 --mode eager_gc --steps 3 --json-out "$R/profile_step.json"
+fi
+if [[ $PARTS == *,profile_compiled,* ]]; then
+  step profile_compiled 300 $PY profile_model_step.py --impls peft_lora_bf16,doracheck_bf16,peft_dora_bf16 --mode compiled \
+    --steps 3 --top-gpu 25 --json-out "$R/profile_step_compiled.json"
 fi
 if [[ $PARTS == *,cprofile,* ]]; then
   step cprofile 150 $PY host_cprofile_step.py --impl doracheck_bf16 --steps 4
@@ -119,7 +132,7 @@ if [[ $PARTS == *,layer_step,* ]]; then
     --impls linear,peft_dora_bf16,doracheck_bf16,doracheck_fp32 --csv "$R/layer_step.csv"
 fi
 if [[ $PARTS == *,decode_compiled,* ]]; then
-  for i in 1 2; do
+  for i in ${DECODE_COMPILED_RUNS:-1 2}; do
     step decode_compiled_$i 240 $PY decode_ab.py --compiled --new-tokens 64 --rounds 5 --csv "$R/decode_compiled_$i.csv"
   done
 fi
@@ -147,6 +160,8 @@ grep -v -E "^(DEBUG|WARNING|INFO)" "$R/gaps.log" 2>/dev/null | cut -c1-170 | tai
 grep -v -E "^(DEBUG|WARNING|INFO|\[)" "$R/phases.log" "$R/phases_reversed.log" "$R/phases_plans.log" 2>/dev/null | grep -E "step|forward|backward|impl"
 for f in "$R"/abstep_*.log "$R"/abplans_*.log; do [[ -f $f ]] && { echo "$(basename "$f")"; tail -n 7 "$f"; }; done
 tail -n 4 "$R/decode_new.log" 2>/dev/null
+grep -E "passed|failed" "$R/graphs_mutant.log" 2>/dev/null | tail -n 2
+grep -v -E "^(DEBUG|WARNING|INFO)" "$R/profile_compiled.log" 2>/dev/null | grep -E "^==|breaks" 
 grep -v DEBUG "$R/graphs_order.log" 2>/dev/null | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 5
 grep -E "^[0-9]+x[0-9]+ r" "$R/layer_step.log" 2>/dev/null
 for f in "$R"/decode_compiled_*.log; do [[ -f $f ]] && { echo "$(basename "$f")"; tail -n 4 "$f"; }; done

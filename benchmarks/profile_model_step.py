@@ -4,7 +4,7 @@ For each implementation (a fresh process is not needed: one model at a time, fre
 ``bench_step.py`` model and step (``--mode eager_gc``: checkpointing on; ``compiled``: the model
 compiled, no checkpointing), profiled over ``--steps`` steps after warm-up. Printed per step:
 host CPU (the profiler's self CPU total over all events), GPU kernel time, kernel launches,
-the DoRA autograd Functions' self CPU per call, the top self-CPU ops; for ``compiled`` also graph
+the DoRA autograd Functions' self CPU per call, the top self-CPU ops and kernels by GPU time; for ``compiled`` also graph
 breaks, recompiles and unique graphs (``torch._dynamo.utils.counters``). ``--trace DIR`` writes
 a Chrome trace per implementation.
 
@@ -32,9 +32,12 @@ def _summary(prof, steps: int) -> dict:
                     "cpu_total_us_per_call": e.cpu_time_total / max(e.count, 1)}
             for e in events if "DoRA" in e.key or "doracheck" in e.key}
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    top_gpu = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:25]
     return {"host_cpu_ms_per_step": cpu_us / steps / 1e3, "gpu_kernel_ms_per_step": gpu_us / steps / 1e3,
             "launches_per_step": launches / steps, "dora_functions": dora,
-            "top_self_cpu": [(e.key, round(e.self_cpu_time_total / steps / 1e3, 3), e.count // steps) for e in top]}
+            "top_self_cpu": [(e.key, round(e.self_cpu_time_total / steps / 1e3, 3), e.count // steps) for e in top],
+            "top_gpu": [(e.key, round(getattr(e, "self_device_time_total", 0) / steps / 1e3, 3), e.count // steps)
+                        for e in top_gpu]}
 
 
 def profile_impl(impl: str, args) -> dict:
@@ -80,6 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--trace", help="a folder for Chrome traces")
     ap.add_argument("--json-out")
+    ap.add_argument("--top-gpu", type=int, default=12, help="how many kernels to print by GPU time")
     ap.add_argument("--new-tokens", type=int, default=0)
     ap.add_argument("--device", default="cuda")
     add_llama_args(ap)
@@ -95,6 +99,9 @@ def main(argv=None) -> int:
                   f"CPU total {d['cpu_total_us_per_call']:.0f} us/call")
         for name, ms, count in row["top_self_cpu"][:10]:
             print(f"   {ms:8.3f} ms  x{count:<5d} {name}")
+        print("   by GPU time:")
+        for name, ms, count in row["top_gpu"][:args.top_gpu]:
+            print(f"   {ms:8.3f} ms  x{count:<5d} {name[:110]}")
         if "graph_breaks" in row:
             print(f"   graph breaks {row['graph_breaks']}, recompiles {row['recompiles']}, unique graphs {row['unique_graphs']}")
     if args.json_out:
