@@ -1,6 +1,8 @@
 """The norm's row-dot kernel at the model's shapes: GPU µs per launch and a digest of its output
 (GPU). Run once with this checkout and once with an earlier library (``.old/``): equal digests
-mean bitwise the same partials; the times compare the launch orders. ``--splits`` also times
+mean bitwise the same partials; the times compare the two libraries' kernels (written for the
+thirteenth session's column-tiles-first launch order, which gave no measurable gain and was
+withdrawn: benchmarks/results/rowdot_order_thirteenth_h200.txt). ``--splits`` also times
 the cross-term launch with K split that many ways (the configuration forced; a probe, not
 shipped). r = 384, bf16 W, A, B; W, A, B random (never zeros); median of triton's do_bench.
 

@@ -6,7 +6,7 @@
     lora_i  = Σ_j B_ij·(B·G)_ij, G = A·Aᵀ (GEMM M = d_out, N = r, K = r; same kernel, same epilogue)
 
 Kernels:
-- ``_rowdot_kernel``: program (pn, pm) computes the tile acc = X[rows]·Y[cols]ᵀ and stores the
+- ``_rowdot_kernel``: program (pm, pn) computes the tile acc = X[rows]·Y[cols]ᵀ and stores the
   partial Σ_{j in cols} C[rows, j]·acc[rows, j] to ``part[pn, rows]``; with COMPUTE_BASE the
   pn = 0 programs also store Σ_k X[rows, k]². Launched as (X, Y, C) = (W, A, B) for base and
   cross, then (B, G, B) for lora. Partials are summed afterwards in a fixed order.
@@ -41,7 +41,6 @@ from .norm_torch import FactoredNorm
 from .settings import gram_config, rowdot_config
 from .triton_common import cdiv, dot_acc, interpreting, launcher, tracing, unused_pointer
 
-_MAX_GRID_Y = 65535  # CUDA's limit on grid axes 1 and 2 (the row tiles of ``_rowdot_kernel``)
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -136,14 +135,9 @@ def _rowdot_kernel(
     """part[ks·n_slots + pn·N_SUB + i, rows] = Σ_{j in sub-tile i of tile pn} C_ij·(X·Yᵀ)_ij over
     the ks-th range of k (split K, program axis 2); sq[ks, i] = Σ_{k in that range} X_ik² (from
     the pn = 0 programs). N_SUB > 1 (no split of Y): one program covers N_SUB tiles of BLOCK_N
-    columns from one load of each X tile.
-
-    The column tile pn is program axis 0, the fastest in launch order: the programs that read
-    the same rows of X (W, the big operand) run side by side and share its tiles through L2,
-    so W streams from memory about once rather than once per column tile (r = 384: six times
-    at 14336 rows, where one wave of programs held only one or two column tiles of a row)."""
-    pid_n = tl.program_id(0).to(tl.int64)
-    pid_m = tl.program_id(1).to(tl.int64)
+    columns from one load of each X tile."""
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
     pid_k = tl.program_id(2).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * (BLOCK_N * N_SUB) + tl.arange(0, BLOCK_N)
@@ -307,11 +301,7 @@ def rowdot_parts(
     part = alloc(splits * n_tiles * n_sub, M, dtype=torch.float32, device=X.device)
     sq = alloc(splits, M, dtype=torch.float32, device=X.device) if compute_base else None
     if launch:
-        grid = (n_tiles, cdiv(M, cfg.block_m), splits)  # column tiles fastest: the kernel says why
-        if grid[1] > _MAX_GRID_Y:
-            raise ValueError(f"factored norm: {M} rows (d_out) exceed the Triton row-dot kernel's limit of "
-                             f"{_MAX_GRID_Y * cfg.block_m} (grid axis 1 holds at most {_MAX_GRID_Y} row tiles); "
-                             "use the torch path for this layer (doracheck.dispatch.use_path(\"torch\"), or DORACHECK_PATH=torch)")
+        grid = (cdiv(M, cfg.block_m), n_tiles, splits)
         # Without the base term the kernel never writes sq_ptr, but it still gets a buffer of its
         # own: passing ``part`` twice (two pointer arguments aliasing one tensor) made Inductor
         # return a lora term of zeros under torch.compile (benchmarks/compile_diag.py, H200,
