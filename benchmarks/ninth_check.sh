@@ -28,6 +28,7 @@
 #                                doracheck interleaved in one process, twice
 #   rowdot                       rowdot_order_probe.py: the norm's row-dot kernel at the model's shapes, µs and output
 #                                digests, this checkout (split K 1, 2, 4) and .old/ (thirteenth session)
+#   rowdot_tiles                 rowdot_tile_probe.py: candidate row-dot tiles, right and repeatable or not, and µs
 #   graphs_order                 tests/test_norm_graphs.py in one process, a failed capture first (the RNG state)
 #   graphs_mutant                the RNG test with the fix taken out: it must fail (rc 1)
 #   profile_compiled             profile_model_step.py --mode compiled: LoRA, doracheck, PEFT DoRA (bf16), kernels by GPU time
@@ -133,6 +134,9 @@ if [[ $PARTS == *,rowdot,* ]]; then  # the norm's row-dot kernel: this checkout 
   step rowdot_new 150 $PY rowdot_order_probe.py --splits 1,2,4 --label new --csv "$R/rowdot_new.csv"
   [[ -n ${OLD:-} ]] && step rowdot_old 150 $OLD $PY rowdot_order_probe.py --label old --csv "$R/rowdot_old.csv"
 fi
+if [[ $PARTS == *,rowdot_tiles,* ]]; then
+  step rowdot_tiles 200 $PY rowdot_tile_probe.py --csv "$R/rowdot_tiles.csv"
+fi
 if [[ $PARTS == *,layer_step,* ]]; then
   step layer_step 240 $PY bench_layer.py --shapes 8192x8192r384 --tokens 4096,1 \
     --impls linear,peft_dora_bf16,doracheck_bf16,doracheck_fp32 --csv "$R/layer_step.csv"
@@ -171,6 +175,7 @@ grep -v -E "^(DEBUG|WARNING|INFO)" "$R/profile_compiled.log" 2>/dev/null | grep 
 grep -v DEBUG "$R/graphs_order.log" 2>/dev/null | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 5
 grep -E "^[0-9]+x[0-9]+ r" "$R/layer_step.log" 2>/dev/null
 grep -h -E "^(new|old) " "$R/rowdot_new.log" "$R/rowdot_old.log" 2>/dev/null
+grep -v -E "^(DEBUG|WARNING|INFO)" "$R/rowdot_tiles.log" 2>/dev/null | tail -n 45
 for f in "$R"/decode_compiled_*.log; do [[ -f $f ]] && { echo "$(basename "$f")"; tail -n 4 "$f"; }; done
 for i in peft_lora_bf16 doracheck_bf16; do [[ -f $R/summary_$i.txt ]] && { grep "per step" "$R/sample_$i.log"; head -n 12 "$R/summary_$i.txt" | cut -c1-120; }; done
 finish

@@ -1,0 +1,83 @@
+"""Which row-dot tiles compute the norm's cross term right on this GPU, and how fast (GPU probe).
+
+The shipped tiles are 128×64 (``settings.rowdot_config``) because 128- and 256-wide tiles gave a
+wrong cross term, different from call to call, on the H200 with triton 3.6 (2026-12-01); the
+64-wide tiles run at 190-270 TFLOP/s at the model's shapes, against about 690 for cuBLAS's
+W·Aᵀ, and are the largest kernel cost of doracheck's compiled step (thirteenth session). For
+each candidate tile and shape: the relative error of Σ_j B⊙(W·Aᵀ) against fp64, whether three
+calls agree bitwise, and the median GPU µs (triton's do_bench). A candidate is usable only where
+it is right and repeatable at every shape and rank. Configurations are forced for the probe;
+nothing here changes what ships.
+
+    python benchmarks/rowdot_tile_probe.py [--csv out.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+from row_csv import RowWriter
+
+from doracheck.kernels import norm_triton
+from doracheck.kernels.settings import RowdotConfig
+
+CANDIDATES = {  # name: (block_m, block_n, block_k, num_warps, num_stages, n_sub)
+    "shipped": None,
+    "128x128 w8": (128, 128, 64, 8, 3, 1),
+    "128x128 w4": (128, 128, 64, 4, 3, 1),
+    "64x128 w4": (64, 128, 64, 4, 3, 1),
+    "128x256 w8": (128, 256, 64, 8, 3, 1),
+    "256x64 w8": (256, 64, 64, 8, 3, 1),
+    "64x128x3 w8": (64, 128, 64, 8, 3, 3),
+    "128x64 k128 w8": (128, 64, 128, 8, 3, 1),
+}
+SHAPES = [(14336, 4096, 384), (4096, 14336, 384), (4096, 4096, 384), (4096, 4096, 128), (4096, 4096, 16)]  # d_out, d_in, r
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--csv")
+    args = ap.parse_args()
+    shipped = norm_triton.rowdot_config
+    out = RowWriter(args.csv) if args.csv else None
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(f"{'config':16s} {'d_out':>6s} {'d_in':>6s} {'r':>4s} {'rel err':>9s} {'repeat':>6s} {'µs':>7s} {'TFLOP/s':>8s}")
+    for d_out, d_in, r in SHAPES:
+        W = (torch.randn(d_out, d_in, device="cuda", generator=gen) / d_in**0.5).bfloat16()
+        A = (torch.randn(r, d_in, device="cuda", generator=gen) / d_in**0.5).bfloat16()
+        B = (torch.randn(d_out, r, device="cuda", generator=gen) * 0.05).bfloat16()
+        exact = ((W.double() @ A.double().t()) * B.double()).sum(1)
+        for name, tile in CANDIDATES.items():
+            if tile is not None and tile[5] > 1 and r <= tile[1] * (tile[5] - 1):
+                continue  # sub-tiles need N past (n_sub - 1) tiles
+            if tile is not None:
+                norm_triton.rowdot_config = lambda *a, _t=tile: RowdotConfig(*_t)
+            try:
+                def cross():
+                    return norm_triton.rowdot_triton(W, (W.stride(0), W.stride(1)), A, B, compute_base=True)[0]
+
+                outs = [cross().clone() for _ in range(3)]
+                torch.cuda.synchronize()
+                err = float((outs[0].double() - exact).norm() / exact.norm())
+                repeat = all(torch.equal(outs[0], o) for o in outs[1:])
+                us = triton.testing.do_bench(cross, warmup=10, rep=60) * 1e3
+            except Exception as error:  # noqa: BLE001 (a tile that does not compile is a finding too)
+                print(f"{name:16s} {d_out:6d} {d_in:6d} {r:4d} failed: {type(error).__name__}: {str(error)[:80]}", flush=True)
+                continue
+            finally:
+                norm_triton.rowdot_config = shipped
+            tflops = 2 * d_out * d_in * r / (us * 1e-6) / 1e12
+            print(f"{name:16s} {d_out:6d} {d_in:6d} {r:4d} {err:9.1e} {str(repeat):>6s} {us:7.1f} {tflops:8.1f}", flush=True)
+            if out:
+                out.add({"config": name, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                         "triton": triton.__version__, "d_out": d_out, "d_in": d_in, "r": r, "dtype": "bf16",
+                         "rel_err": f"{err:.2e}", "repeatable": repeat, "median_us": round(us, 1), "tflops": round(tflops, 1)})
+    if out:
+        out.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
