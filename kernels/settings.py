@@ -103,6 +103,11 @@ def rowdot_config(M: int, N: int, K: int, x_dtype, split_lo: int) -> RowdotConfi
     # benchmarks/norm_repeat_probe.py, 2026-12-01, 640×384 and 4096×4096: shipped 32-wide tiles
     # err 5.8e-3 / 4.8e-3, 64-wide 3.6e-7 / 4.4e-6 and bitwise repeatable at r = 8..96, found by
     # the norm-graph tests comparing two eager calls). Masked columns cost little at r <= 32.
+    # Re-probed at the model's shapes on 2026-12-02 (benchmarks/rowdot_tile_probe.py,
+    # results/rowdot_tiles_thirteenth_h200.csv; 14336x4096, 4096x14336, 4096² at r 384/128/16):
+    # 128x128 (8 warps), 128x256, 64x128 and 64x128 in three sub-tiles all 0.9-68% wrong, 128x128
+    # with 4 warps right but not bitwise repeatable at 14336 rows; right and repeatable everywhere
+    # only 128x64 (this), 256x64 and 128x64 with BLOCK_K 128, neither faster.
     block_n = 64
     stages = 3 if (N > 128 or split_lo > 1 or x_dtype.itemsize == 4) else 4
     block_k = 32 if x_dtype.itemsize == 4 else 64
