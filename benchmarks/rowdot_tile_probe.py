@@ -32,6 +32,12 @@ CANDIDATES = {  # name: (block_m, block_n, block_k, num_warps, num_stages, n_sub
     "256x64 w8": (256, 64, 64, 8, 3, 1),
     "64x128x3 w8": (64, 128, 64, 8, 3, 3),
     "128x64 k128 w8": (128, 64, 128, 8, 3, 1),
+    # Fewer pipeline stages for wide tiles: whether the wrong, unrepeatable sums follow the
+    # software pipeline (buffers still being filled while the epilogue reduces) or the tile.
+    "128x128 w8 s1": (128, 128, 64, 8, 1, 1),
+    "128x128 w8 s2": (128, 128, 64, 8, 2, 1),
+    "64x128 w4 s1": (64, 128, 64, 4, 1, 1),
+    "128x256 w8 s1": (128, 256, 64, 8, 1, 1),
 }
 SHAPES = [(14336, 4096, 384), (4096, 14336, 384), (4096, 4096, 384), (4096, 4096, 128), (4096, 4096, 16)]  # d_out, d_in, r
 
@@ -39,7 +45,9 @@ SHAPES = [(14336, 4096, 384), (4096, 14336, 384), (4096, 4096, 384), (4096, 4096
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--csv")
+    ap.add_argument("--only", help="comma-separated candidate names (default: all)")
     args = ap.parse_args()
+    names = set(args.only.split(",")) if args.only else set(CANDIDATES)
     shipped = norm_triton.rowdot_config
     out = RowWriter(args.csv) if args.csv else None
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -50,6 +58,8 @@ def main() -> int:
         B = (torch.randn(d_out, r, device="cuda", generator=gen) * 0.05).bfloat16()
         exact = ((W.double() @ A.double().t()) * B.double()).sum(1)
         for name, tile in CANDIDATES.items():
+            if name not in names:
+                continue
             if tile is not None and tile[5] > 1 and r <= tile[1] * (tile[5] - 1):
                 continue  # sub-tiles need N past (n_sub - 1) tiles
             if tile is not None:
