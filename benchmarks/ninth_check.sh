@@ -135,7 +135,7 @@ if [[ $PARTS == *,rowdot,* ]]; then  # the norm's row-dot kernel: this checkout 
   [[ -n ${OLD:-} ]] && step rowdot_old 150 $OLD $PY rowdot_order_probe.py --label old --csv "$R/rowdot_old.csv"
 fi
 if [[ $PARTS == *,rowdot_tiles,* ]]; then
-  step rowdot_tiles 200 $PY rowdot_tile_probe.py --csv "$R/rowdot_tiles.csv"
+  step rowdot_tiles 320 $PY rowdot_tile_probe.py --csv "$R/rowdot_tiles.csv"
 fi
 if [[ $PARTS == *,layer_step,* ]]; then
   step layer_step 240 $PY bench_layer.py --shapes 8192x8192r384 --tokens 4096,1 \
