@@ -32,6 +32,9 @@
 #   graphs_order                 tests/test_norm_graphs.py in one process, a failed capture first (the RNG state)
 #   graphs_mutant                the RNG test with the fix taken out: it must fail (rc 1)
 #   profile_compiled             profile_model_step.py --mode compiled: LoRA, doracheck, PEFT DoRA (bf16), kernels by GPU time
+#   normpath                     norm_path_probe.py: the norm's row-dot and cuBLAS paths and reduction tiles (fourteenth session)
+#   compiled_step                bench_step.py --mode compiled (+ fused AdamW), one process per row: LoRA, PEFT DoRA,
+#                                doracheck, and doracheck from .old/ (COMPILED_IMPLS: which rows)
 # .old/ holds `git archive` of the commit to compare against (ignored by git, named in carry).
 set -u
 source benchmarks/gpu_common.sh
@@ -137,6 +140,19 @@ fi
 if [[ $PARTS == *,rowdot_tiles,* ]]; then
   step rowdot_tiles 320 $PY rowdot_tile_probe.py --csv "$R/rowdot_tiles.csv"
 fi
+if [[ $PARTS == *,normpath,* ]]; then
+  step normpath 300 $PY norm_path_probe.py --csv "$R/normpath.csv"
+fi
+if [[ $PARTS == *,compiled_step,* ]]; then
+  for impl in ${COMPILED_IMPLS:-peft_lora_bf16 doracheck_bf16 old:doracheck_bf16 peft_dora_bf16}; do
+    if [[ $impl == old:* ]]; then
+      [[ -n ${OLD:-} ]] && step compiled_old_${impl#old:} 200 $OLD $PY bench_step.py --impl ${impl#old:} --mode compiled \
+        --optimizer adamw_fused --row-out "$R/compiled_step_old.csv"
+    else
+      step compiled_$impl 200 $PY bench_step.py --impl $impl --mode compiled --optimizer adamw_fused --row-out "$R/compiled_step.csv"
+    fi
+  done
+fi
 if [[ $PARTS == *,layer_step,* ]]; then
   step layer_step 240 $PY bench_layer.py --shapes 8192x8192r384 --tokens 4096,1 \
     --impls linear,peft_dora_bf16,doracheck_bf16,doracheck_fp32 --csv "$R/layer_step.csv"
@@ -176,6 +192,8 @@ grep -v DEBUG "$R/graphs_order.log" 2>/dev/null | grep -E "^(FAILED|ERROR)|passe
 grep -E "^[0-9]+x[0-9]+ r" "$R/layer_step.log" 2>/dev/null
 grep -h -E "^(new|old) " "$R/rowdot_new.log" "$R/rowdot_old.log" 2>/dev/null
 grep -v -E "^(DEBUG|WARNING|INFO)" "$R/rowdot_tiles.log" 2>/dev/null | tail -n 45
+grep -v -E "^(DEBUG|WARNING|INFO)" "$R/normpath.log" 2>/dev/null | tail -n 50
+for f in "$R"/compiled_step*.csv; do [[ -f $f ]] && { echo "$(basename "$f")"; cat "$f"; }; done
 for f in "$R"/decode_compiled_*.log; do [[ -f $f ]] && { echo "$(basename "$f")"; tail -n 4 "$f"; }; done
 for i in peft_lora_bf16 doracheck_bf16; do [[ -f $R/summary_$i.txt ]] && { grep "per step" "$R/sample_$i.log"; head -n 12 "$R/summary_$i.txt" | cut -c1-120; }; done
 finish

@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
+from .settings import cross_by_cublas
 from .tracing import tracing
 
 CAPTURE_AFTER = 2  # sightings of a key before it is captured
@@ -138,6 +139,7 @@ def _capture(key: tuple, terms: Callable[[], torch.Tensor], device: torch.device
     side = _capture_streams.get(key[0])
     if side is None:
         side = _capture_streams[key[0]] = torch.cuda.Stream(device)
+        _set_up_blas_workspace(side, device)
     current = torch.cuda.current_stream(device)
     side.wait_stream(current)
     graph = torch.cuda.CUDAGraph()
@@ -155,6 +157,19 @@ def _capture(key: tuple, terms: Callable[[], torch.Tensor], device: torch.device
         _end_capture(graph, device, pool, raising=True)
     current.wait_stream(side)
     return graph, out
+
+
+def _set_up_blas_workspace(side: torch.cuda.Stream, device: torch.device) -> None:
+    """One tiny cuBLAS GEMM on the capture stream before its first capture. torch gives each
+    (cuBLAS handle, stream) pair a workspace of its own (32 MiB on Hopper), allocated at that
+    pair's first GEMM; the norm's U = W·Aᵀ (``norm_triton.cross_product_u``) would otherwise
+    allocate it inside the first capture, from the graphs' private pool. Allocated here, outside
+    any capture, it is ordinary process state, once per device."""
+    with torch.cuda.stream(side):
+        probe = torch.zeros(1, 16, dtype=torch.bfloat16, device=device)
+        if cross_by_cublas(probe.dtype, probe.dtype):  # the very call the norm makes (aten::mm.dtype)
+            torch.mm(probe, probe.t(), out_dtype=torch.float32)
+    torch.cuda.current_stream(device).wait_stream(side)
 
 
 def _end_capture(graph, device: torch.device, pool, raising: bool) -> None:
@@ -237,8 +252,9 @@ def graphed_norm(
     """The (4, d_out) fp32 terms (base, cross, lora, norm) of this norm, or None where graphs
     are not used for this call (the module docstring says when; the caller then launches).
     ``magnitude``: the m that ``terms()`` reads too (rows n_safe and g: (6, d_out)), part of the key.
-    ``terms()`` launches exactly this norm, all of it (no cuBLAS: a cuBLAS GEMM captured on a
-    side stream would get a 32 MiB workspace of its own on Hopper), which is what a graph holds."""
+    ``terms()`` launches exactly this norm, all of it (its cuBLAS GEMM U = W·Aᵀ included: the
+    capture stream's cuBLAS workspace is set up before its first capture), which is what a
+    graph holds."""
     key = _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude)
     if key is None or _state["off"]:
         return None

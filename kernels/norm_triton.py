@@ -38,7 +38,7 @@ import triton.language as tl
 
 from .constants import EPS
 from .norm_torch import FactoredNorm
-from .settings import gram_config, rowdot_config
+from .settings import cross_by_cublas, gram_config, norm_reduce_config, rowdot_config
 from .triton_common import cdiv, dot_acc, interpreting, launcher, tracing, unused_pointer
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -166,32 +166,11 @@ def _rowdot_kernel(
 
 
 @triton.jit
-def _norm_finish_kernel(
-    terms_ptr, stride_tr,  # out: (4, M) fp32 rows base, cross, lora, norm; (6, M) with n_safe, g
-    cross_part_ptr, stride_cp, n_cross,  # (n_cross, M) fp32 partials of the cross term
-    sq_ptr, stride_sp, n_sq,  # (n_sq, M) fp32 partials of the base term
-    lora_part_ptr, stride_lp, n_lora,  # (n_lora, M) fp32 partials of the lora term
-    mag_ptr,  # (M,) magnitude m, stride 1 as g, bias and n_safe in the compose (read only WITH_G; the caller checks)
-    M, scaling, eps,
-    WITH_G: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """base = Σ_p sq[p], cross = Σ_p cross_part[p], lora = Σ_p lora_part[p] (p in order:
-    deterministic); norm = sqrt(max(base + 2s·cross + s²·lora, 0)) (NaN propagates), all fp32,
-    stored as the rows of ``terms`` (one output tensor: no two pointer arguments alias one).
-    WITH_G: also n_safe = max(norm, eps) (NaN stays NaN, as torch.clamp_min) and g = m / n_safe
-    correctly rounded (as torch divides an fp32 or 16-bit m by fp32), rows 4 and 5."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = rows < M
-    s = tl.cast(scaling, tl.float32)
-    cross = tl.zeros((BLOCK,), dtype=tl.float32)
-    for p in range(0, n_cross):
-        cross += tl.load(cross_part_ptr + p * stride_cp + rows, mask=ok, other=0.0)
-    lora = tl.zeros((BLOCK,), dtype=tl.float32)
-    for p in range(0, n_lora):
-        lora += tl.load(lora_part_ptr + p * stride_lp + rows, mask=ok, other=0.0)
-    base = tl.zeros((BLOCK,), dtype=tl.float32)
-    for p in range(0, n_sq):
-        base += tl.load(sq_ptr + p * stride_sp + rows, mask=ok, other=0.0)
+def _store_terms(terms_ptr, stride_tr, mag_ptr, rows, ok, base, cross, lora, s, eps, WITH_G: tl.constexpr):
+    """terms[0..3, rows] = base, cross, lora, norm = sqrt(max(base + 2s·cross + s²·lora, 0))
+    (NaN propagates), fp32; WITH_G: terms[4, rows] = n_safe = max(norm, eps) (NaN stays NaN, as
+    torch.clamp_min) and terms[5, rows] = g = m / n_safe correctly rounded (as torch divides an
+    fp32 or 16-bit m by fp32)."""
     squared = base + (2.0 * s) * cross + (s * s) * lora
     squared = tl.where(squared < 0.0, 0.0, squared)  # rounding below 0 where W cancels s·B·A; NaN stays
     norm = tl.sqrt_rn(squared)
@@ -205,6 +184,75 @@ def _norm_finish_kernel(
         m = tl.load(mag_ptr + rows, mask=ok, other=0.0).to(tl.float32)
         tl.store(terms_ptr + 4 * stride_tr + rows, n_safe, mask=ok)
         tl.store(terms_ptr + 5 * stride_tr + rows, tl.math.div_rn(m, n_safe), mask=ok)
+
+
+@triton.jit
+def _norm_finish_kernel(
+    terms_ptr, stride_tr,  # out: (4, M) fp32 rows base, cross, lora, norm; (6, M) with n_safe, g
+    cross_part_ptr, stride_cp, n_cross,  # (n_cross, M) fp32 partials of the cross term
+    sq_ptr, stride_sp, n_sq,  # (n_sq, M) fp32 partials of the base term
+    lora_part_ptr, stride_lp, n_lora,  # (n_lora, M) fp32 partials of the lora term
+    mag_ptr,  # (M,) magnitude m, stride 1 as g, bias and n_safe in the compose (read only WITH_G; the caller checks)
+    M, scaling, eps,
+    WITH_G: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """base = Σ_p sq[p], cross = Σ_p cross_part[p], lora = Σ_p lora_part[p] (p in order:
+    deterministic), then norm (and with WITH_G n_safe and g) as ``_store_terms`` says, stored as
+    the rows of ``terms`` (one output tensor: no two pointer arguments alias one)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < M
+    s = tl.cast(scaling, tl.float32)
+    cross = tl.zeros((BLOCK,), dtype=tl.float32)
+    for p in range(0, n_cross):
+        cross += tl.load(cross_part_ptr + p * stride_cp + rows, mask=ok, other=0.0)
+    lora = tl.zeros((BLOCK,), dtype=tl.float32)
+    for p in range(0, n_lora):
+        lora += tl.load(lora_part_ptr + p * stride_lp + rows, mask=ok, other=0.0)
+    base = tl.zeros((BLOCK,), dtype=tl.float32)
+    for p in range(0, n_sq):
+        base += tl.load(sq_ptr + p * stride_sp + rows, mask=ok, other=0.0)
+    _store_terms(terms_ptr, stride_tr, mag_ptr, rows, ok, base, cross, lora, s, eps, WITH_G)
+
+
+@triton.jit
+def _norm_from_u_kernel(
+    terms_ptr, stride_tr,  # out: (4, M) fp32 rows base, cross, lora, norm; (6, M) with n_safe, g
+    w_ptr, stride_wm, stride_wk,  # W rows (M, K), read through strides (fan_in_fan_out too)
+    u_ptr, stride_um, stride_un,  # U = W·Aᵀ (M, N) fp32
+    b_ptr, stride_bm, stride_bn,  # B (M, N)
+    lora_part_ptr, stride_lp, n_lora,  # (n_lora, M) fp32 partials of the lora term
+    mag_ptr,  # (M,) magnitude m, stride 1 (read only WITH_G)
+    M, N, K, scaling, eps,
+    WITH_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """base = Σ_k W_ik², cross = Σ_j B_ij·U_ij, lora = Σ_p lora_part[p] (fp32; each sum in a fixed
+    order: element-wise into a BLOCK-wide fp32 accumulator, then one tree sum, so the norm is
+    bitwise deterministic), then the terms as ``_norm_finish_kernel`` stores them. One program
+    per BLOCK_M rows: the W pass is a streaming read (U came from cuBLAS, which cannot reduce
+    in its epilogue)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok = rows < M
+    kk = tl.arange(0, BLOCK_K)
+    sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        w = tl.load(w_ptr + rows[:, None] * stride_wm + k[None, :] * stride_wk, mask=ok[:, None] & (k < K)[None, :], other=0.0)
+        wf = w.to(tl.float32)
+        sq += wf * wf
+    base = tl.sum(sq, axis=1)
+    jj = tl.arange(0, BLOCK_N)
+    prod = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for j0 in range(0, N, BLOCK_N):
+        j = j0 + jj
+        both = ok[:, None] & (j < N)[None, :]
+        u = tl.load(u_ptr + rows[:, None] * stride_um + j[None, :] * stride_un, mask=both, other=0.0)
+        b = tl.load(b_ptr + rows[:, None] * stride_bm + j[None, :] * stride_bn, mask=both, other=0.0)
+        prod += u * b.to(tl.float32)
+    cross = tl.sum(prod, axis=1)
+    lora = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for p in range(0, n_lora):
+        lora += tl.load(lora_part_ptr + p * stride_lp + rows, mask=ok, other=0.0)
+    _store_terms(terms_ptr, stride_tr, mag_ptr, rows, ok, base, cross, lora, tl.cast(scaling, tl.float32), eps, WITH_G)
 
 
 @triton.jit
@@ -343,25 +391,63 @@ def norm_finish(cross_part: torch.Tensor, sq: torch.Tensor, lora_part: torch.Ten
     return terms
 
 
+def cross_product_u(weight_rows: torch.Tensor, lora_A: torch.Tensor) -> torch.Tensor:
+    """U = W·Aᵀ (d_out, r) in fp32 for 16-bit W and A of one dtype: cuBLAS with fp32 output
+    (``aten::mm.dtype``: products exact, fp32 accumulation, fp32 split-K partials, so the
+    reduced-precision-reduction flags do not apply). Under the interpreter (CPU tensors, where
+    that overload does not exist) fp32 copies of W and A multiplied in fp32, the same
+    arithmetic: the copies are d_out × d_in, acceptable only at the interpreter's small shapes."""
+    if weight_rows.device.type == "cuda":
+        return torch.mm(weight_rows, lora_A.t(), out_dtype=torch.float32)
+    return torch.mm(weight_rows.float(), lora_A.float().t())
+
+
+def norm_from_u(weight_rows: torch.Tensor, U: torch.Tensor, lora_B: torch.Tensor, lora_part: torch.Tensor, scaling: float,
+                magnitude: torch.Tensor | None = None) -> torch.Tensor:
+    """(4, d_out) fp32 rows (base, cross, lora, norm), or (6, d_out) with n_safe and g given
+    ``magnitude``, from W's rows (Σ W² is read here), U = W·Aᵀ (cross = Σ B⊙U) and the lora
+    term's row-dot partials: one launch (``_norm_from_u_kernel``)."""
+    M, K = weight_rows.shape
+    N = U.shape[1]
+    terms = torch.empty(4 if magnitude is None else 6, M, dtype=torch.float32, device=U.device)
+    if M:
+        cfg = norm_reduce_config(M, K, N, weight_rows.stride(1) == 1 or K == 1)
+        launcher(_norm_from_u_kernel)[(cdiv(M, cfg.block_m),)](
+            terms, terms.stride(0),
+            weight_rows, weight_rows.stride(0), weight_rows.stride(1),
+            U, U.stride(0), U.stride(1),
+            lora_B, lora_B.stride(0), lora_B.stride(1),
+            lora_part, lora_part.stride(0), lora_part.shape[0],
+            magnitude if magnitude is not None else unused_pointer(lora_part, tracing()),
+            M, N, K, float(scaling), EPS,
+            WITH_G=magnitude is not None, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps,
+        )
+    return terms
+
+
 def terms_from_gram(
     weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, G: torch.Tensor, scaling: float, fan_in_fan_out: bool,
     magnitude: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(4, d_out) fp32 rows (base, cross, lora, norm) given G = A·Aᵀ: the three Triton launches
-    of the norm after the Gram product; with ``magnitude``, (6, d_out) with n_safe and g too
-    (``norm_finish``)."""
-    if fan_in_fan_out:
-        strides = (weight.stride(1), weight.stride(0))
-    else:
-        strides = (weight.stride(0), weight.stride(1))
-    cross_part, sq = rowdot_parts(weight, strides, lora_A, lora_B, compute_base=True)
-    assert sq is not None  # compute_base=True always returns the base term
-    # lora_i = Σ_j B_ij·(B·G)_ij: the same kernel with X = B (dots in W's 16-bit dtype when B
+    """(4, d_out) fp32 rows (base, cross, lora, norm) given G = A·Aᵀ: the launches of the norm
+    after the Gram product; with ``magnitude``, (6, d_out) with n_safe and g too.
+
+    16-bit W and A of one dtype (``settings.cross_by_cublas``): U = W·Aᵀ from cuBLAS, then one
+    launch for Σ W², Σ B⊙U and the finish (``norm_from_u``). Otherwise (fp32 W, or adapters of
+    another dtype than W, split into pieces of W's dtype): one row-dot launch for the base and
+    cross terms and one for the finish (``norm_finish``)."""
+    W_rows = weight.t() if fan_in_fan_out else weight
+    # lora_i = Σ_j B_ij·(B·G)_ij: the row-dot kernel with X = B (dots in W's 16-bit dtype when B
     # is an exact 16-bit adapter; tf32x3 for fp32 B), Y = G (split hi + lo), C = B.
     # fp16 B would split G into fp16 pieces, which overflow once ||A_i||² > 65504: use B in fp32
     # (tf32x3; this GEMM has K = r, so it is cheap) unless B is bf16, whose range is fp32's.
     B_dot = lora_B if lora_B.dtype != torch.float16 else lora_B.float()
     lora_part, _ = rowdot_parts(B_dot, (B_dot.stride(0), B_dot.stride(1)), G, B_dot, compute_base=False, pieces=3)
+    if cross_by_cublas(weight.dtype, lora_A.dtype):
+        return norm_from_u(W_rows, cross_product_u(W_rows, lora_A), lora_B, lora_part, scaling, magnitude)
+    cross_part, sq = rowdot_parts(weight, W_rows.stride(), lora_A, lora_B, compute_base=True)
+    assert sq is not None  # compute_base=True always returns the base term
     return norm_finish(cross_part, sq, lora_part, scaling, magnitude)
 
 

@@ -49,6 +49,13 @@ class RowdotConfig(NamedTuple):
     split_k: int = 1  # programs along K (partials summed in order afterwards)
 
 
+class NormReduceConfig(NamedTuple):
+    block_m: int
+    block_k: int
+    block_n: int
+    num_warps: int
+
+
 class GramConfig(NamedTuple):
     block_i: int
     block_k: int
@@ -114,6 +121,41 @@ def rowdot_config(M: int, N: int, K: int, x_dtype, split_lo: int) -> RowdotConfi
     return RowdotConfig(128, block_n, block_k, 8, stages)
 
 
+_HAS_MM_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # cuBLAS GEMM with fp32 output from 16-bit inputs (torch >= 2.8)
+
+
+def cross_by_cublas(weight_dtype: torch.dtype, lora_A_dtype: torch.dtype) -> bool:
+    """Whether the norm's cross term comes from U = W·Aᵀ by cuBLAS (fp32 output) and a row
+    reduction (``norm_triton.norm_from_u``) instead of the row-dot kernel: for 16-bit W and A
+    of one dtype.
+
+    H200, bf16, r = 384 (benchmarks/rowdot_tile_probe.py, results/rowdot_tiles_fourteenth_h200.csv,
+    2026-12-02, µs): the row-dot kernel with the base term fused (128×64 tiles, the only ones
+    right with it) 195.8 / 213.8 / 69.3 at 14336×4096 / 4096×14336 / 4096²; cuBLAS's W·Aᵀ alone
+    75.5 / 67.0 / 26.8 (597-673 TFLOP/s) and the base term alone 47.5 / 55.1 / 24.2. The fused
+    base term is what holds the kernel back: without it the same tiles took 137.9 / 141.0 / 62.4,
+    and the wide tiles, which are right only without it, 114.5-140.6. Adapters of another dtype
+    than W (fp32 adapters on bf16 W: A split into two bf16 pieces) and fp32 W keep the row-dot
+    kernel."""
+    return _HAS_MM_DTYPE and weight_dtype == lora_A_dtype and weight_dtype in (torch.bfloat16, torch.float16)
+
+
+def norm_reduce_config(M: int, K: int, N: int, rows_contiguous: bool) -> NormReduceConfig:
+    """Tiles of ``_norm_from_u_kernel``: a streaming read of W (Σ W² per row) and of U and B.
+    Rows along K contiguous: BLOCK_M × BLOCK_K = 4096 elements a load, BLOCK_M as large as
+    leaves at least 512 programs (about four per SM on an H200's 132); fan_in_fan_out (rows
+    contiguous across M): 64 × 64 tiles, so a load still reads 128 contiguous bytes."""
+    block_n = _pow2_at_least(N, 16, 128)
+    if _interpreting():
+        return NormReduceConfig(4, 16, 16, 1)
+    if not rows_contiguous:
+        return NormReduceConfig(64, 64, block_n, 4)
+    block_m = 16
+    while block_m > 2 and -(-M // block_m) < 512:
+        block_m //= 2
+    return NormReduceConfig(block_m, _pow2_at_least(K, 16, 4096 // block_m), block_n, 4)
+
+
 def gram_config(r: int, d_in: int) -> GramConfig:
     """G = A·Aᵀ: M = N = r, long K = d_in, so split K to fill the SMs (partials summed after)."""
     if _interpreting():
@@ -176,8 +218,10 @@ def triton_norm_memory_bound(d_out: int, d_in: int, r: int, lora_B_dtype: torch.
     plus an fp32 copy of B (d_out × r) when B is fp16 (the lora term's GEMM runs on it, since
     fp16 pieces of G would overflow; norm_triton.factored_norm_triton). A training forward's
     norm (``Backend.scaled_norm``) has two more output rows, n_safe and g, which replace the
-    tensors the clamp and the division made before; they are the layer's, not the norm's."""
+    tensors the clamp and the division made before; they are the layer's, not the norm's.
+    With 16-bit W and A of one dtype (``cross_by_cublas``) U = W·Aᵀ in fp32 (d_out × r) takes
+    the place of the cross term's partials; the bound counts both, whichever path runs."""
     cfg = gram_config(r, d_in)
     n_tiles = -(-r // 64) if r else 1  # partial rows per term: 64-wide row-dot tiles (rowdot_config), split K = 1
     b_copy = d_out * r if lora_B_dtype == torch.float16 else 0
-    return 4 * (r * r * (cfg.splits + 1) + d_out * (2 * n_tiles + 9) + b_copy)
+    return 4 * (r * r * (cfg.splits + 1) + d_out * (2 * n_tiles + 9) + d_out * r + b_copy)

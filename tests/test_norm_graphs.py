@@ -172,6 +172,8 @@ def _fake_capture_that_fails_to_end(monkeypatch, calls: list) -> None:
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda device, pool: calls.append(("end", device, pool)),
                         raising=False)
     monkeypatch.setattr(norm_graphs, "_end_generator_capture", lambda device: calls.append(("generator", device.index)))
+    monkeypatch.setattr(norm_graphs, "_capture_streams", {})  # a new capture stream: its cuBLAS workspace is set up first
+    monkeypatch.setattr(norm_graphs, "_set_up_blas_workspace", lambda side, device: calls.append(("blas", device.index)))
 
 
 def test_a_capture_that_fails_to_end_hands_the_pool_back_to_the_allocator(monkeypatch):
@@ -181,7 +183,7 @@ def test_a_capture_that_fails_to_end_hands_the_pool_back_to_the_allocator(monkey
     _fake_capture_that_fails_to_end(monkeypatch, calls)
     with pytest.raises(RuntimeError, match="stream is capturing"):
         norm_graphs._capture((0, 0), lambda: torch.zeros(2, 2), torch.device("cuda", 0))
-    assert calls == [("begin", "pool"), ("end", 0, "pool"), ("generator", 0)]
+    assert calls == [("blas", 0), ("begin", "pool"), ("end", 0, "pool"), ("generator", 0)]
 
 
 def test_a_capture_whose_launches_fail_reports_their_error_not_the_end_of_capture(monkeypatch):
@@ -193,7 +195,7 @@ def test_a_capture_whose_launches_fail_reports_their_error_not_the_end_of_captur
 
     with pytest.raises(torch.OutOfMemoryError):
         norm_graphs._capture((0, 0), out_of_memory, torch.device("cuda", 0))
-    assert calls == [("begin", "pool"), ("end", 0, "pool"), ("generator", 0)]
+    assert calls == [("blas", 0), ("begin", "pool"), ("end", 0, "pool"), ("generator", 0)]
 
 
 def test_a_capture_that_fails_to_begin_takes_the_generator_out_of_capture_mode(monkeypatch):
@@ -208,7 +210,7 @@ def test_a_capture_that_fails_to_begin_takes_the_generator_out_of_capture_mode(m
     monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", begin_fails)
     with pytest.raises(RuntimeError, match="stream is capturing"):
         norm_graphs._capture((0, 0), lambda: pytest.fail("no launches after a failed begin"), torch.device("cuda", 0))
-    assert calls == [("generator", 0)]
+    assert calls == [("blas", 0), ("generator", 0)]
 
 
 def test_no_forward_ad_inside_even_for_a_dual_A(monkeypatch):
