@@ -33,6 +33,7 @@
 #   graphs_mutant                the RNG test with the fix taken out: it must fail (rc 1)
 #   profile_compiled             profile_model_step.py --mode compiled: LoRA, doracheck, PEFT DoRA (bf16), kernels by GPU time
 #   normpath                     norm_path_probe.py: the norm's row-dot and cuBLAS paths and reduction tiles (fourteenth session)
+#   layer_step_old               bench_layer.py --modes step for nn.Linear and doracheck from .old/, then this checkout
 #   compiled_step                bench_step.py --mode compiled (+ fused AdamW), one process per row: LoRA, PEFT DoRA,
 #                                doracheck, and doracheck from .old/ (COMPILED_IMPLS: which rows)
 # .old/ holds `git archive` of the commit to compare against (ignored by git, named in carry).
@@ -157,6 +158,12 @@ if [[ $PARTS == *,layer_step,* ]]; then
   step layer_step 240 $PY bench_layer.py --shapes 8192x8192r384 --tokens 4096,1 \
     --impls linear,peft_dora_bf16,doracheck_bf16,doracheck_fp32 --csv "$R/layer_step.csv"
 fi
+if [[ $PARTS == *,layer_step_old,* && -n ${OLD:-} ]]; then  # the same rows from .old/, then this checkout again
+  step layer_step_old 200 $OLD $PY bench_layer.py --shapes 8192x8192r384 --tokens 4096,1 --modes step \
+    --impls linear,doracheck_bf16 --csv "$R/layer_step_old.csv"
+  step layer_step_new2 200 $PY bench_layer.py --shapes 8192x8192r384 --tokens 4096,1 --modes step \
+    --impls linear,doracheck_bf16 --csv "$R/layer_step_new2.csv"
+fi
 if [[ $PARTS == *,decode_compiled,* ]]; then
   for i in ${DECODE_COMPILED_RUNS:-1 2}; do
     step decode_compiled_$i 240 $PY decode_ab.py --compiled --new-tokens 64 --rounds 5 --csv "$R/decode_compiled_$i.csv"
@@ -189,7 +196,7 @@ tail -n 4 "$R/decode_new.log" 2>/dev/null
 grep -E "passed|failed" "$R/graphs_mutant.log" 2>/dev/null | tail -n 2
 grep -v -E "^(DEBUG|WARNING|INFO)" "$R/profile_compiled.log" 2>/dev/null | grep -E "^==|breaks" 
 grep -v DEBUG "$R/graphs_order.log" 2>/dev/null | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 5
-grep -E "^[0-9]+x[0-9]+ r" "$R/layer_step.log" 2>/dev/null
+for f in layer_step layer_step_old layer_step_new2; do [[ -f $R/$f.log ]] && { echo "$f"; grep -E "^[0-9]+x[0-9]+ r" "$R/$f.log"; }; done
 grep -h -E "^(new|old) " "$R/rowdot_new.log" "$R/rowdot_old.log" 2>/dev/null
 grep -v -E "^(DEBUG|WARNING|INFO)" "$R/rowdot_tiles.log" 2>/dev/null | tail -n 45
 grep -v -E "^(DEBUG|WARNING|INFO)" "$R/normpath.log" 2>/dev/null | tail -n 50

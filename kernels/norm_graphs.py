@@ -70,6 +70,7 @@ _graphs: dict[tuple, list] = {}  # key -> [graph, static (4 or 6, d_out) output,
 _seen: OrderedDict[tuple, int] = OrderedDict()  # key -> sightings before capture
 _pools: dict[tuple, Any] = {}  # (device, stream) -> memory pool handle shared by its graphs
 _capture_streams: dict[int, torch.cuda.Stream] = {}
+_blas_ready: set[int] = set()  # devices whose capture stream has its cuBLAS workspace
 _stats = {"captures": 0, "replays": 0, "failed": 0}
 _NO_CACHING = os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") == "1"  # read by torch once, at CUDA start
 _state = {"off": False, "dead": False}  # off: a capture failed; dead: a tensor a graph reads was freed
@@ -136,10 +137,7 @@ def _capture(key: tuple, terms: Callable[[], torch.Tensor], device: torch.device
     pool = _pools.get(key[:2])
     if pool is None:
         pool = _pools[key[:2]] = torch.cuda.graph_pool_handle()
-    side = _capture_streams.get(key[0])
-    if side is None:
-        side = _capture_streams[key[0]] = torch.cuda.Stream(device)
-        _set_up_blas_workspace(side, device)
+    side = _capture_stream(device, blas=False)  # made, and its workspace set up, at the first sighting
     current = torch.cuda.current_stream(device)
     side.wait_stream(current)
     graph = torch.cuda.CUDAGraph()
@@ -159,12 +157,30 @@ def _capture(key: tuple, terms: Callable[[], torch.Tensor], device: torch.device
     return graph, out
 
 
+def _capture_stream(device: torch.device, blas: bool) -> torch.cuda.Stream:
+    """The device's capture stream, made at the first sighting of a norm that may be captured;
+    with ``blas`` (the norm runs cuBLAS: ``settings.cross_by_cublas``) its cuBLAS workspace is
+    set up too, once per device (``_set_up_blas_workspace``). At the first sighting, not at the
+    capture: the workspace is process state, like the kernels' compilation in a process's first
+    norm call, not memory of the call that happens to capture (``doracheck verify``'s norm.memory
+    property measures the call after a first one; set up at the capture, the 32 MiB showed
+    there)."""
+    side = _capture_streams.get(device.index)
+    if side is None:
+        side = _capture_streams[device.index] = torch.cuda.Stream(device)
+    if blas and device.index not in _blas_ready:
+        _set_up_blas_workspace(side, device)
+        _blas_ready.add(device.index)
+    return side
+
+
 def _set_up_blas_workspace(side: torch.cuda.Stream, device: torch.device) -> None:
     """One tiny cuBLAS GEMM on the capture stream before its first capture. torch gives each
     (cuBLAS handle, stream) pair a workspace of its own (32 MiB on Hopper), allocated at that
     pair's first GEMM; the norm's U = W·Aᵀ (``norm_triton.cross_product_u``) would otherwise
     allocate it inside the first capture, from the graphs' private pool. Allocated here, outside
-    any capture, it is ordinary process state, once per device."""
+    any capture, it is ordinary process state, once per device (fp32 norms, which run no cuBLAS,
+    never set it up)."""
     with torch.cuda.stream(side):
         probe = torch.zeros(1, 16, dtype=torch.bfloat16, device=device)
         if cross_by_cublas(probe.dtype, probe.dtype):  # the very call the norm makes (aten::mm.dtype)
@@ -269,6 +285,7 @@ def graphed_norm(
         if entry is None:
             if not _room():
                 return None
+            _capture_stream(weight.device, cross_by_cublas(weight.dtype, lora_A.dtype))
             sightings = _seen.pop(key, 0) + 1
             if sightings < CAPTURE_AFTER:
                 _seen[key] = sightings

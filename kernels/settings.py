@@ -142,15 +142,21 @@ def cross_by_cublas(weight_dtype: torch.dtype, lora_A_dtype: torch.dtype) -> boo
 
 def norm_reduce_config(M: int, K: int, N: int, rows_contiguous: bool) -> NormReduceConfig:
     """Tiles of ``_norm_from_u_kernel``: a streaming read of W (Σ W² per row) and of U and B.
-    Rows along K contiguous: BLOCK_M × BLOCK_K = 4096 elements a load, BLOCK_M as large as
-    leaves at least 512 programs (about four per SM on an H200's 132); fan_in_fan_out (rows
-    contiguous across M): 64 × 64 tiles, so a load still reads 128 contiguous bytes."""
+    Rows along K contiguous: BLOCK_M × BLOCK_K = 4096 elements a load, BLOCK_M at most 8 and as
+    large as leaves at least 512 programs (about four per SM on an H200's 132); fan_in_fan_out
+    (rows contiguous across M): 64 × 64 tiles, so a load still reads 128 contiguous bytes.
+
+    H200, bf16, r = 384, whole training-form norm from graph replays (benchmarks/norm_path_probe.py,
+    results/norm_path_fourteenth_h200.csv, 2026-12-02), µs with BLOCK_M 16 / 8 / 4 / 2: 8192²:
+    173.1 / 158.6 / 164.2 / 168.5; 14336×4096: 169.7 / 168.2 / 177.6 / 177.8; 4096×14336:
+    185.6 / 144.4 / 142.9 / 144.9; 1024×4096: 45.6 / 39.3 / 38.8 / 37.5. fan_in_fan_out 4096²:
+    91.7 (the row-dot path: 257.7)."""
     block_n = _pow2_at_least(N, 16, 128)
     if _interpreting():
         return NormReduceConfig(4, 16, 16, 1)
     if not rows_contiguous:
         return NormReduceConfig(64, 64, block_n, 4)
-    block_m = 16
+    block_m = 8
     while block_m > 2 and -(-M // block_m) < 512:
         block_m //= 2
     return NormReduceConfig(block_m, _pow2_at_least(K, 16, 4096 // block_m), block_n, 4)

@@ -40,6 +40,7 @@ def _fake_cuda(monkeypatch, key_of):
     counts its replays and the output ``terms()`` gave at capture."""
     monkeypatch.setattr(norm_graphs, "_key", lambda w, a, b, s, f, m=None: (0, 0, *key_of(w)) if key_of(w) else None)
     monkeypatch.setattr(norm_graphs, "_capture", lambda key, terms, device: (_FakeGraph(), terms()))
+    monkeypatch.setattr(norm_graphs, "_capture_stream", lambda device, blas: None)
 
 
 _A_OF: dict = {}  # id(w) -> (weak reference to w, its A): each stand-in layer's A lives as long as w
@@ -112,6 +113,7 @@ def test_at_the_cap_a_graph_whose_W_was_freed_makes_room_too(monkeypatch):
 
     monkeypatch.setattr(norm_graphs, "_key", lambda w, a, b, s, f, m=None: (0, 0, "layer", id(w)))
     monkeypatch.setattr(norm_graphs, "_capture", lambda key, terms, device: (_FakeGraph(), terms()))
+    monkeypatch.setattr(norm_graphs, "_capture_stream", lambda device, blas: None)
     monkeypatch.setattr(norm_graphs, "MAX_GRAPHS", 1)
     A, B = torch.ones(2, 3), torch.ones(3)
 
@@ -129,6 +131,28 @@ def test_at_the_cap_a_graph_whose_W_was_freed_makes_room_too(monkeypatch):
     assert [k[3] for k in norm_graphs._graphs] == [id(W2)]
 
 
+@pytest.mark.parametrize("dtype,runs_cublas", [(torch.bfloat16, True), (torch.float16, True), (torch.float32, False)])
+def test_the_capture_streams_cublas_workspace_is_set_up_at_a_norms_first_sighting(monkeypatch, dtype, runs_cublas):
+    """A norm that runs cuBLAS (16-bit W and A of one dtype) sets up the capture stream's cuBLAS
+    workspace at its first sighting, before any capture and once per device: process state,
+    not memory of the call that captures (which ``verify``'s norm.memory property measures).
+    An fp32 norm, which runs no cuBLAS, never sets it up."""
+    calls: list = []
+    monkeypatch.setattr(norm_graphs, "_key", lambda w, a, b, s, f, m=None: (0, 0, "layer", id(w)))
+    monkeypatch.setattr(norm_graphs, "_capture", lambda key, terms, device: (calls.append("capture"), (_FakeGraph(), terms()))[1])
+    monkeypatch.setattr(norm_graphs, "_capture_streams", {})
+    monkeypatch.setattr(norm_graphs, "_blas_ready", set())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: calls.append("stream") or object())
+    monkeypatch.setattr(norm_graphs, "_set_up_blas_workspace", lambda side, device: calls.append("blas"))
+    W, A, B = torch.ones(4, 3, dtype=dtype), torch.ones(2, 3, dtype=dtype), torch.ones(4, 2, dtype=dtype)
+    assert norm_graphs.graphed_norm(W, A, B, 1.0, False, lambda: torch.zeros(4, 4)) is None  # first sighting
+    assert calls == (["stream", "blas"] if runs_cublas else ["stream"])
+    W2 = torch.ones(4, 3, dtype=dtype)  # another layer of the same device: nothing set up again
+    assert norm_graphs.graphed_norm(W, A, B, 1.0, False, lambda: torch.zeros(4, 4)) is not None  # captured
+    assert norm_graphs.graphed_norm(W2, A, B, 1.0, False, lambda: torch.zeros(4, 4)) is None
+    assert calls == (["stream", "blas", "capture"] if runs_cublas else ["stream", "capture"])
+
+
 def test_a_failed_capture_turns_graphs_off_for_the_process_until_clear(monkeypatch):
     attempts = []
 
@@ -138,6 +162,7 @@ def test_a_failed_capture_turns_graphs_off_for_the_process_until_clear(monkeypat
 
     monkeypatch.setattr(norm_graphs, "_key", lambda w, a, b, s, f, m=None: (0, 0, "layer", id(w)))
     monkeypatch.setattr(norm_graphs, "_capture", failing)
+    monkeypatch.setattr(norm_graphs, "_capture_stream", lambda device, blas: None)
     w, other = torch.ones(3), torch.ones(3)
     with pytest.warns(RuntimeWarning, match="capturing a norm graph failed"):
         for _ in range(4):
@@ -172,8 +197,7 @@ def _fake_capture_that_fails_to_end(monkeypatch, calls: list) -> None:
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda device, pool: calls.append(("end", device, pool)),
                         raising=False)
     monkeypatch.setattr(norm_graphs, "_end_generator_capture", lambda device: calls.append(("generator", device.index)))
-    monkeypatch.setattr(norm_graphs, "_capture_streams", {})  # a new capture stream: its cuBLAS workspace is set up first
-    monkeypatch.setattr(norm_graphs, "_set_up_blas_workspace", lambda side, device: calls.append(("blas", device.index)))
+    monkeypatch.setattr(norm_graphs, "_capture_streams", {})
 
 
 def test_a_capture_that_fails_to_end_hands_the_pool_back_to_the_allocator(monkeypatch):
@@ -183,7 +207,7 @@ def test_a_capture_that_fails_to_end_hands_the_pool_back_to_the_allocator(monkey
     _fake_capture_that_fails_to_end(monkeypatch, calls)
     with pytest.raises(RuntimeError, match="stream is capturing"):
         norm_graphs._capture((0, 0), lambda: torch.zeros(2, 2), torch.device("cuda", 0))
-    assert calls == [("blas", 0), ("begin", "pool"), ("end", 0, "pool"), ("generator", 0)]
+    assert calls == [("begin", "pool"), ("end", 0, "pool"), ("generator", 0)]
 
 
 def test_a_capture_whose_launches_fail_reports_their_error_not_the_end_of_capture(monkeypatch):
@@ -195,7 +219,7 @@ def test_a_capture_whose_launches_fail_reports_their_error_not_the_end_of_captur
 
     with pytest.raises(torch.OutOfMemoryError):
         norm_graphs._capture((0, 0), out_of_memory, torch.device("cuda", 0))
-    assert calls == [("blas", 0), ("begin", "pool"), ("end", 0, "pool"), ("generator", 0)]
+    assert calls == [("begin", "pool"), ("end", 0, "pool"), ("generator", 0)]
 
 
 def test_a_capture_that_fails_to_begin_takes_the_generator_out_of_capture_mode(monkeypatch):
@@ -210,7 +234,7 @@ def test_a_capture_that_fails_to_begin_takes_the_generator_out_of_capture_mode(m
     monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", begin_fails)
     with pytest.raises(RuntimeError, match="stream is capturing"):
         norm_graphs._capture((0, 0), lambda: pytest.fail("no launches after a failed begin"), torch.device("cuda", 0))
-    assert calls == [("blas", 0), ("generator", 0)]
+    assert calls == [("generator", 0)]
 
 
 def test_no_forward_ad_inside_even_for_a_dual_A(monkeypatch):
