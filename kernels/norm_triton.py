@@ -1,33 +1,46 @@
-"""Factored DoRA row norm in Triton: one pass over W, nothing of size d_out × d_in written.
+"""Factored DoRA row norm in Triton (and cuBLAS): nothing of size d_out × d_in written.
 
     n_i² = base_i + 2s·cross_i + s²·lora_i
-    base_i  = Σ_k W_ik²                   (fp32, from the W tiles the first GEMM loads anyway)
-    cross_i = Σ_j B_ij·(W·Aᵀ)_ij          (GEMM M = d_out, N = r, K = d_in; reduced in its epilogue)
-    lora_i  = Σ_j B_ij·(B·G)_ij, G = A·Aᵀ (GEMM M = d_out, N = r, K = r; same kernel, same epilogue)
+    base_i  = Σ_k W_ik²                   (fp32)
+    cross_i = Σ_j B_ij·(W·Aᵀ)_ij          (GEMM M = d_out, N = r, K = d_in)
+    lora_i  = Σ_j B_ij·(B·G)_ij, G = A·Aᵀ (GEMM M = d_out, N = r, K = r; reduced in its epilogue)
+
+Two paths for base and cross (``terms_from_gram``):
+- 16-bit W and A of one dtype (``settings.cross_by_cublas``): U = W·Aᵀ by cuBLAS with fp32
+  output (``cross_product_u``), then ``_norm_from_u_kernel`` reads W (base), U and B (cross) and
+  the lora partials and finishes, in one launch (d_out × r fp32 of U: no d_out × d_in).
+- otherwise (fp32 W, or adapters of another dtype than W): the row-dot kernel on (W, A, B) with
+  the base term from the same W tiles, then ``_norm_finish_kernel``.
 
 Kernels:
 - ``_rowdot_kernel``: program (pm, pn) computes the tile acc = X[rows]·Y[cols]ᵀ and stores the
   partial Σ_{j in cols} C[rows, j]·acc[rows, j] to ``part[pn, rows]``; with COMPUTE_BASE the
-  pn = 0 programs also store Σ_k X[rows, k]². Launched as (X, Y, C) = (W, A, B) for base and
-  cross, then (B, G, B) for lora. Partials are summed afterwards in a fixed order.
+  pn = 0 programs also store Σ_k X[rows, k]². Launched as (X, Y, C) = (B, G, B) for lora, and
+  (W, A, B) for base and cross on the second path. Partials are summed afterwards in a fixed order.
   With N_SUB = 3 one program covers three BLOCK_N-wide column tiles from one load of each X tile
   (r = 384 as 3 × 128 columns, where one 256-wide tile pair would pad it to 512).
 - ``_gram_kernel``: split-K partials of G = A·Aᵀ, (SPLIT, r, r) fp32, summed in a fixed order.
-- ``_norm_finish_kernel``: sums the partials in a fixed order and combines the terms into n;
-  given the magnitude m, also n_safe = max(n, eps) and g = m / n_safe (a training forward's).
-No atomics anywhere: the norm is bitwise deterministic.
+- ``_norm_finish_kernel`` / ``_norm_from_u_kernel``: the fixed-order sums and the terms combined
+  into n; given the magnitude m, also n_safe = max(n, eps) and g = m / n_safe (a training
+  forward's), both through ``_store_terms``.
+No atomics anywhere, and cuBLAS is bitwise reproducible with a fixed workspace configuration:
+the norm is bitwise deterministic.
 
-Precision: 16-bit X run on bf16/fp16 tensor cores with fp32 accumulation. A Y of another dtype
+Precision: 16-bit X run on bf16/fp16 tensor cores with fp32 accumulation (cuBLAS's U too: exact
+products, fp32 accumulation and split-K partials). A Y of another dtype
 is split into pieces of X's dtype instead of being rounded: fp32 (or fp16-under-bf16) adapters A
 into two (hi + lo: 16 bits in bf16; the big GEMM runs twice), G into three with bf16 B (about
 all 24 bits; that GEMM has K = r, so a third pass is cheap). With fp16 B the lora GEMM runs in
 fp32 (tf32x3): fp16 pieces of G would overflow or fall into subnormals. When X is
 fp32 the dots use ``tf32x3`` (about fp32 accuracy). ``fan_in_fan_out`` is read through strides.
 
-Measured on the H200 (8192×8192, r = 384, bf16; benchmarks/norm_variants.py): the first GEMM
-alone 104.6 µs at BLOCK 128×256×64, 8 warps, 3 stages (493 TFLOP/s; cuBLAS W·Aᵀ: 71.4 µs); the
-base term fused into it costs nothing measurable; an epilogue that formed B·G inside the same
-kernel cost 110-140 µs more (register pressure), hence the separate (B, G, B) launch.
+Measured on the H200 (bf16, r = 384; benchmarks/rowdot_tile_probe.py and norm_path_probe.py,
+2026-12-02): the row-dot kernel is right on triton 3.6 only with 64-wide tiles when it also sums
+W² (wider tiles got the cross term wrong and unrepeatable; without the base term they are right),
+and the fused base term slows it (195.8 against 137.9 µs at 14336×4096), while cuBLAS's W·Aᵀ
+takes 75.5 µs: hence the first path (the whole training norm at 8192²: 244.1 → 158.6 µs). An
+epilogue that formed B·G inside the W·Aᵀ kernel cost 110-140 µs more (register pressure,
+benchmarks/norm_variants.py), hence the separate (B, G, B) launch.
 """
 
 from __future__ import annotations

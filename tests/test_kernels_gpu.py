@@ -84,7 +84,9 @@ def test_factored_norm_within_budget(dtype, adapter_dtype, fan_in_fan_out, r):
 
 
 def test_kernels_bitwise_deterministic():
-    """Our kernels alone (no cuBLAS): norm, compose, dz/dm are bitwise reproducible."""
+    """Our kernels: norm (both paths: fp32 adapters on bf16 W through the row-dot kernel, bf16
+    adapters through cuBLAS's U = W·Aᵀ and the reduction), compose, dz/dm are bitwise
+    reproducible."""
     from doracheck.kernels import compose_triton, norm_triton
 
     gen = torch.Generator().manual_seed(4)
@@ -94,6 +96,11 @@ def test_kernels_bitwise_deterministic():
     n1 = norm_triton.factored_norm_triton(W, A, B, 2.0)
     n2 = norm_triton.factored_norm_triton(W, A, B, 2.0)
     for a, b in zip((n1.base, n1.cross, n1.lora, n1.norm), (n2.base, n2.cross, n2.lora, n2.norm)):
+        assert torch.equal(a, b)
+    A16, B16 = A.bfloat16(), B.bfloat16()
+    u1 = norm_triton.factored_norm_triton(W, A16, B16, 2.0)
+    u2 = norm_triton.factored_norm_triton(W, A16, B16, 2.0)
+    for a, b in zip((u1.base, u1.cross, u1.lora, u1.norm), (u2.base, u2.cross, u2.lora, u2.norm)):
         assert torch.equal(a, b)
     base = torch.randn(2048, 4099, generator=gen).to("cuda", torch.bfloat16)
     xa = torch.randn(2048, 384, generator=gen).to("cuda", torch.bfloat16)
