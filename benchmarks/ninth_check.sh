@@ -34,6 +34,7 @@
 #   profile_compiled             profile_model_step.py --mode compiled: LoRA, doracheck, PEFT DoRA (bf16), kernels by GPU time
 #   normpath                     norm_path_probe.py: the norm's row-dot and cuBLAS paths and reduction tiles (fourteenth session)
 #   layer_step_old               bench_layer.py --modes step for nn.Linear and doracheck from .old/, then this checkout
+#                                (LAYER_OLD_IMPLS: which rows, default linear,doracheck_bf16)
 #   compiled_step                bench_step.py --mode compiled (+ fused AdamW), one process per row: LoRA, PEFT DoRA,
 #                                doracheck, and doracheck from .old/ (COMPILED_IMPLS: which rows)
 # .old/ holds `git archive` of the commit to compare against (ignored by git, named in carry).
@@ -160,9 +161,9 @@ if [[ $PARTS == *,layer_step,* ]]; then
 fi
 if [[ $PARTS == *,layer_step_old,* && -n ${OLD:-} ]]; then  # the same rows from .old/, then this checkout again
   step layer_step_old 200 $OLD $PY bench_layer.py --shapes 8192x8192r384 --tokens 4096,1 --modes step \
-    --impls linear,doracheck_bf16 --csv "$R/layer_step_old.csv"
+    --impls ${LAYER_OLD_IMPLS:-linear,doracheck_bf16} --csv "$R/layer_step_old.csv"
   step layer_step_new2 200 $PY bench_layer.py --shapes 8192x8192r384 --tokens 4096,1 --modes step \
-    --impls linear,doracheck_bf16 --csv "$R/layer_step_new2.csv"
+    --impls ${LAYER_OLD_IMPLS:-linear,doracheck_bf16} --csv "$R/layer_step_new2.csv"
 fi
 if [[ $PARTS == *,decode_compiled,* ]]; then
   for i in ${DECODE_COMPILED_RUNS:-1 2}; do
