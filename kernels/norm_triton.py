@@ -417,6 +417,10 @@ def cross_product_u(weight_rows: torch.Tensor, lora_A: torch.Tensor, pieces: int
     not apply). Under the interpreter (CPU tensors, where that overload does not exist) fp32
     copies multiplied in fp32, the same arithmetic: the copies are d_out × d_in, acceptable only
     at the interpreter's small shapes."""
+    # Outside autograd (the Triton launches are anyway): a Parameter A would otherwise make the
+    # GEMM record a graph node (and the copy into the pieces one more) at every norm.
+    lora_A = lora_A.detach() if lora_A.requires_grad else lora_A
+    weight_rows = weight_rows.detach() if weight_rows.requires_grad else weight_rows
     if pieces == 2:
         r = lora_A.shape[0]
         split = torch.empty(2 * r, lora_A.shape[1], dtype=weight_rows.dtype, device=lora_A.device)

@@ -264,14 +264,16 @@ def props_budget(op, output):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
-def test_torch_compile_matches_eager_on_the_triton_ops(with_bias):
+@pytest.mark.parametrize("with_bias,adapter_dtype", [(True, torch.bfloat16), (False, torch.bfloat16), (False, torch.float32)],
+                         ids=["bias", "no_bias", "no_bias_fp32_adapters"])
+def test_torch_compile_matches_eager_on_the_triton_ops(with_bias, adapter_dtype):
     """torch.compile (Inductor, fullgraph) over the Triton ops gives eager's forward and gradients.
 
     Both compose variants are traced: with a bias (y and z from one kernel) and without (y
     saved as the output). The traced graph holds only functional ops (kernels/ops.py says why).
+    fp32 adapters trace the norm's split of A into two bf16 pieces (``cross_product_u``).
     """
-    case = make_case(24, 20, 4, (2, 5), torch.bfloat16, seed=4, device="cpu")
+    case = make_case(24, 20, 4, (2, 5), torch.bfloat16, adapter_dtype=adapter_dtype, seed=4, device="cpu")
     bias = case.bias if with_bias else None
 
     def f(x, A, B, m):
