@@ -44,7 +44,7 @@ def main() -> int:
     args = ap.parse_args()
     out = RowWriter(args.csv)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    shipped_cfg, shipped_rule = norm_triton.norm_reduce_config, norm_triton.cublas_cross_pieces
+    shipped_cfg, shipped_rule = norm_triton.norm_reduce_config, norm_triton.cross_by_cublas
     print(f"{'path':20s} {'d_out':>6s} {'d_in':>6s} {'r':>4s} {'fifo':>4s} {'rel err n':>9s} {'repeat':>6s} {'µs':>7s} {'TFLOP/s':>8s}")
     for d_out, d_in, r, fifo in SHAPES:
         W = (torch.randn(d_out, d_in, device="cuda", generator=gen) / d_in**0.5).bfloat16()
@@ -55,7 +55,7 @@ def main() -> int:
         exact = (W.double() + 2.0 * B.double() @ A.double()).norm(dim=1)
         for name in ("row_dot", *REDUCE_CANDIDATES):
             tiles = REDUCE_CANDIDATES.get(name)
-            norm_triton.cublas_cross_pieces = (lambda *a: False) if name == "row_dot" else shipped_rule
+            norm_triton.cross_by_cublas = (lambda *a: False) if name == "row_dot" else shipped_rule
             if tiles is not None:
                 norm_triton.norm_reduce_config = lambda M, K, N, c, _t=tiles: (
                     NormReduceConfig(_t[0], _t[1], shipped_cfg(M, K, N, c).block_n, _t[2]) if c else shipped_cfg(M, K, N, c))
@@ -72,7 +72,7 @@ def main() -> int:
                 print(f"{name:20s} {d_out:6d} {d_in:6d} {r:4d} {fifo!s:>4s} failed: {type(error).__name__}: {str(error)[:80]}", flush=True)
                 continue
             finally:
-                norm_triton.norm_reduce_config, norm_triton.cublas_cross_pieces = shipped_cfg, shipped_rule
+                norm_triton.norm_reduce_config, norm_triton.cross_by_cublas = shipped_cfg, shipped_rule
             tflops = 2 * d_out * d_in * r / (us * 1e-6) / 1e12
             print(f"{name:20s} {d_out:6d} {d_in:6d} {r:4d} {fifo!s:>4s} {err:9.1e} {str(repeat):>6s} {us:7.1f} {tflops:8.1f}", flush=True)
             out.add({"path": name, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
-from .settings import cublas_cross_pieces
+from .settings import cross_by_cublas
 from .tracing import tracing
 
 CAPTURE_AFTER = 2  # sightings of a key before it is captured
@@ -159,7 +159,7 @@ def _capture(key: tuple, terms: Callable[[], torch.Tensor], device: torch.device
 
 def _capture_stream(device: torch.device, blas: bool) -> torch.cuda.Stream:
     """The device's capture stream, made at the first sighting of a norm that may be captured;
-    with ``blas`` (the norm runs cuBLAS: ``settings.cublas_cross_pieces``) its cuBLAS workspace is
+    with ``blas`` (the norm runs cuBLAS: ``settings.cross_by_cublas``) its cuBLAS workspace is
     set up too, once per device (``_set_up_blas_workspace``). At the first sighting, not at the
     capture: the workspace is process state, like the kernels' compilation in a process's first
     norm call, not memory of the call that happens to capture (``doracheck verify``'s norm.memory
@@ -183,7 +183,7 @@ def _set_up_blas_workspace(side: torch.cuda.Stream, device: torch.device) -> Non
     never set it up)."""
     with torch.cuda.stream(side):
         probe = torch.zeros(1, 16, dtype=torch.bfloat16, device=device)
-        if cublas_cross_pieces(probe.dtype, probe.dtype):  # the very call the norm makes (aten::mm.dtype)
+        if cross_by_cublas(probe.dtype, probe.dtype):  # the very call the norm makes (aten::mm.dtype)
             torch.mm(probe, probe.t(), out_dtype=torch.float32)
     torch.cuda.current_stream(device).wait_stream(side)
 
@@ -285,7 +285,7 @@ def graphed_norm(
         if entry is None:
             if not _room():
                 return None
-            _capture_stream(weight.device, cublas_cross_pieces(weight.dtype, lora_A.dtype) > 0)
+            _capture_stream(weight.device, cross_by_cublas(weight.dtype, lora_A.dtype))
             sightings = _seen.pop(key, 0) + 1
             if sightings < CAPTURE_AFTER:
                 _seen[key] = sightings
