@@ -17,6 +17,13 @@ step() {
   local t0=$SECONDS rc
   timeout "$secs" "$@" >"$R/$name.log" 2>&1; rc=$?
   echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$R/steps.txt"
+  # Copied back after every step: a device call cut off by its time limit returns what is under
+  # $OUT, and the packing in `finish` never runs then (the fourteenth session lost a benchmark so).
+  if [[ -n ${OUT:-} ]]; then
+    mkdir -p "$OUT/partial" && cp "$R/$name.log" "$R/steps.txt" "$OUT/partial/" 2>/dev/null
+    cp "$R"/*.csv "$OUT/partial/" 2>/dev/null
+  fi
+  return 0
 }
 finish() {  # pack everything into $OUT/results.tgz and print the step table last
   tar czf "$OUT/results.tgz" -C /tmp results
