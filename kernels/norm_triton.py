@@ -410,10 +410,12 @@ def cross_product_u(weight_rows: torch.Tensor, lora_A: torch.Tensor) -> torch.Te
     reduced-precision-reduction flags do not apply). Under the interpreter (CPU tensors, where
     that overload does not exist) fp32 copies of W and A multiplied in fp32, the same
     arithmetic: the copies are d_out × d_in, acceptable only at the interpreter's small shapes."""
-    # Outside autograd (the Triton launches are anyway): a Parameter A would otherwise make the
-    # GEMM record a graph node at every norm.
-    lora_A = lora_A.detach() if lora_A.requires_grad else lora_A
-    weight_rows = weight_rows.detach() if weight_rows.requires_grad else weight_rows
+    # Outside autograd (the Triton launches are anyway): under grad mode a Parameter A would make
+    # the GEMM record a graph node at every norm. Under no_grad (an autograd Function's forward,
+    # a graph capture) nothing is recorded, and a detach would be one more host op.
+    if torch.is_grad_enabled():
+        lora_A = lora_A.detach() if lora_A.requires_grad else lora_A
+        weight_rows = weight_rows.detach() if weight_rows.requires_grad else weight_rows
     if weight_rows.device.type == "cuda":
         return torch.mm(weight_rows, lora_A.t(), out_dtype=torch.float32)
     return torch.mm(weight_rows.float(), lora_A.float().t())
