@@ -31,11 +31,10 @@ import torch
 from .forward import dropped, in_dtype, rows
 from .kernels.compose_torch import accumulation_dtype
 from .kernels.constants import EPS
-from .kernels.settings import NORM_CHUNK_BYTES, backward_token_chunk
+from .kernels.settings import HAS_MM_DTYPE, NORM_CHUNK_BYTES, backward_token_chunk
 from .layer_state import Grads, LayerArgs, Need, Saved
 
 _DM_PARTS_BYTES = 4 * 2**20  # dm partials kept over token chunks before they are folded into one row
-_HAS_MM_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
 _ZEROS: dict = {}
 
 
@@ -69,7 +68,7 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
 def _fp32_out_gemm(t: torch.Tensor) -> bool:
     """Whether a 16-bit GEMM on ``t``'s device can write its fp32 accumulator as fp32 (cuBLAS,
     ``aten::mm.dtype``, torch >= 2.8)."""
-    return t.device.type == "cuda" and _HAS_MM_DTYPE
+    return t.device.type == "cuda" and HAS_MM_DTYPE
 
 
 def _row_scaled_tmm(dy: torch.Tensor, xa: torch.Tensor, g: torch.Tensor, s: float, out_dtype: torch.dtype) -> torch.Tensor:

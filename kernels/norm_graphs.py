@@ -183,8 +183,7 @@ def _set_up_blas_workspace(side: torch.cuda.Stream, device: torch.device) -> Non
     never set it up)."""
     with torch.cuda.stream(side):
         probe = torch.zeros(1, 16, dtype=torch.bfloat16, device=device)
-        if cross_by_cublas(probe.dtype, probe.dtype):  # the very call the norm makes (aten::mm.dtype)
-            torch.mm(probe, probe.t(), out_dtype=torch.float32)
+        torch.mm(probe, probe.t(), out_dtype=torch.float32)  # the very call the norm makes (aten::mm.dtype)
     torch.cuda.current_stream(device).wait_stream(side)
 
 

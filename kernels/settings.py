@@ -121,7 +121,7 @@ def rowdot_config(M: int, N: int, K: int, x_dtype, split_lo: int) -> RowdotConfi
     return RowdotConfig(128, block_n, block_k, 8, stages)
 
 
-_HAS_MM_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # cuBLAS GEMM with fp32 output from 16-bit inputs (torch >= 2.8)
+HAS_MM_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # cuBLAS GEMM with fp32 output from 16-bit inputs (torch >= 2.8)
 
 
 def cross_by_cublas(weight_dtype: torch.dtype, lora_A_dtype: torch.dtype) -> bool:
@@ -137,7 +137,7 @@ def cross_by_cublas(weight_dtype: torch.dtype, lora_A_dtype: torch.dtype) -> boo
     and the wide tiles, which are right only without it, 114.5-140.6. Adapters of another dtype
     than W (fp32 adapters on bf16 W: A split into two bf16 pieces) and fp32 W keep the row-dot
     kernel."""
-    return _HAS_MM_DTYPE and weight_dtype == lora_A_dtype and weight_dtype in (torch.bfloat16, torch.float16)
+    return HAS_MM_DTYPE and weight_dtype == lora_A_dtype and weight_dtype in (torch.bfloat16, torch.float16)
 
 
 def norm_reduce_config(M: int, K: int, N: int, rows_contiguous: bool) -> NormReduceConfig:
