@@ -37,6 +37,12 @@
 #                                (LAYER_OLD_IMPLS: which rows, default linear,doracheck_bf16)
 #   compiled_step                bench_step.py --mode compiled (+ fused AdamW), one process per row: LoRA, PEFT DoRA,
 #                                doracheck, and doracheck from .old/ (COMPILED_IMPLS: which rows)
+#   normpath_ab                  norm_path_probe.py, row-dot and shipped cuBLAS paths only: bf16 adapters with this checkout
+#                                and .old/ (the Gram product's A/B), fp32 adapters with this checkout (fifteenth session)
+#   fp32_step                    bench_step.py --mode eager_gc + fused AdamW, fp32 adapters: PEFT DoRA, doracheck, and
+#                                doracheck from .old/, one process each (fifteenth session)
+#   fusedpass, fusedpass_old     fused_pass_probe.py: compose and dz/dm tile sweeps with floors, this checkout / .old/
+#                                (FUSED_ONLY=compose or grad: one of the two)
 # .old/ holds `git archive` of the commit to compare against (ignored by git, named in carry).
 set -u
 source benchmarks/gpu_common.sh
@@ -145,6 +151,27 @@ fi
 if [[ $PARTS == *,normpath,* ]]; then
   step normpath 300 $PY norm_path_probe.py --csv "$R/normpath.csv"
 fi
+if [[ $PARTS == *,normpath_ab,* ]]; then
+  step normpath_bf16 150 $PY norm_path_probe.py --only row_dot,cublas --csv "$R/normpath_bf16.csv"
+  [[ -n ${OLD:-} ]] && step normpath_bf16_old 150 $OLD $PY norm_path_probe.py --only row_dot,cublas --csv "$R/normpath_bf16_old.csv"
+  step normpath_fp32 150 $PY norm_path_probe.py --adapters fp32 --only row_dot,cublas --csv "$R/normpath_fp32.csv"
+fi
+if [[ $PARTS == *,fp32_step,* ]]; then
+  for impl in peft_dora_fp32 doracheck_fp32 old:doracheck_fp32; do
+    if [[ $impl == old:* ]]; then
+      [[ -n ${OLD:-} ]] && step fp32_step_old 200 $OLD $PY bench_step.py --impl ${impl#old:} --mode eager_gc \
+        --optimizer adamw_fused --row-out "$R/fp32_step_old.csv"
+    else
+      step fp32_step_$impl 200 $PY bench_step.py --impl $impl --mode eager_gc --optimizer adamw_fused --row-out "$R/fp32_step.csv"
+    fi
+  done
+fi
+if [[ $PARTS == *,fusedpass,* ]]; then
+  step fusedpass 240 $PY fused_pass_probe.py ${FUSED_ONLY:+--only $FUSED_ONLY} --csv "$R/fusedpass.csv"
+fi
+if [[ $PARTS == *,fusedpass_old,* && -n ${OLD:-} ]]; then
+  step fusedpass_old 200 $OLD $PY fused_pass_probe.py ${FUSED_ONLY:+--only $FUSED_ONLY} --csv "$R/fusedpass_old.csv"
+fi
 if [[ $PARTS == *,compiled_step,* ]]; then
   for impl in ${COMPILED_IMPLS:-peft_lora_bf16 doracheck_bf16 old:doracheck_bf16 peft_dora_bf16}; do
     if [[ $impl == old:* ]]; then
@@ -201,7 +228,9 @@ for f in layer_step layer_step_old layer_step_new2; do [[ -f $R/$f.log ]] && { e
 grep -h -E "^(new|old) " "$R/rowdot_new.log" "$R/rowdot_old.log" 2>/dev/null
 grep -v -E "^(DEBUG|WARNING|INFO)" "$R/rowdot_tiles.log" 2>/dev/null | tail -n 45
 grep -v -E "^(DEBUG|WARNING|INFO)" "$R/normpath.log" 2>/dev/null | tail -n 50
-for f in "$R"/compiled_step*.csv; do [[ -f $f ]] && { echo "$(basename "$f")"; cat "$f"; }; done
+for f in normpath_bf16 normpath_bf16_old normpath_fp32; do [[ -f $R/$f.log ]] && { echo "$f"; grep -E "^(row_dot|cublas)" "$R/$f.log"; }; done
+for f in fusedpass fusedpass_old; do [[ -f $R/$f.log ]] && { echo "$f"; grep -E "shipped|floor" "$R/$f.log" | cut -c1-120; }; done
+for f in "$R"/compiled_step*.csv "$R"/fp32_step*.csv; do [[ -f $f ]] && { echo "$(basename "$f")"; cat "$f"; }; done
 for f in "$R"/decode_compiled_*.log; do [[ -f $f ]] && { echo "$(basename "$f")"; tail -n 4 "$f"; }; done
 for i in peft_lora_bf16 doracheck_bf16; do [[ -f $R/summary_$i.txt ]] && { grep "per step" "$R/sample_$i.log"; head -n 12 "$R/summary_$i.txt" | cut -c1-120; }; done
 finish

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
-from .settings import cross_by_cublas
+from .settings import cublas_cross_pieces
 from .tracing import tracing
 
 CAPTURE_AFTER = 2  # sightings of a key before it is captured
@@ -159,7 +159,7 @@ def _capture(key: tuple, terms: Callable[[], torch.Tensor], device: torch.device
 
 def _capture_stream(device: torch.device, blas: bool) -> torch.cuda.Stream:
     """The device's capture stream, made at the first sighting of a norm that may be captured;
-    with ``blas`` (the norm runs cuBLAS: ``settings.cross_by_cublas``) its cuBLAS workspace is
+    with ``blas`` (the norm runs cuBLAS: ``settings.cublas_cross_pieces``) its cuBLAS workspace is
     set up too, once per device (``_set_up_blas_workspace``). At the first sighting, not at the
     capture: the workspace is process state, like the kernels' compilation in a process's first
     norm call, not memory of the call that happens to capture (``doracheck verify``'s norm.memory
@@ -284,7 +284,7 @@ def graphed_norm(
         if entry is None:
             if not _room():
                 return None
-            _capture_stream(weight.device, cross_by_cublas(weight.dtype, lora_A.dtype))
+            _capture_stream(weight.device, cublas_cross_pieces(weight.dtype, lora_A.dtype) > 0)
             sightings = _seen.pop(key, 0) + 1
             if sightings < CAPTURE_AFTER:
                 _seen[key] = sightings

@@ -6,11 +6,12 @@
     lora_i  = Σ_j B_ij·(B·G)_ij, G = A·Aᵀ (GEMM M = d_out, N = r, K = r; reduced in its epilogue)
 
 Two paths for base and cross (``terms_from_gram``):
-- 16-bit W and A of one dtype (``settings.cross_by_cublas``): U = W·Aᵀ by cuBLAS with fp32
-  output (``cross_product_u``), then ``_norm_from_u_kernel`` reads W (base), U and B (cross) and
-  the lora partials and finishes, in one launch (d_out × r fp32 of U: no d_out × d_in).
-- otherwise (fp32 W, or adapters of another dtype than W): the row-dot kernel on (W, A, B) with
-  the base term from the same W tiles, then ``_norm_finish_kernel``.
+- 16-bit W (``settings.cublas_cross_pieces``): U = W·Aᵀ by cuBLAS with fp32 output
+  (``cross_product_u``; adapters of another dtype than W split into two pieces of W's dtype,
+  U of 2r columns), then ``_norm_from_u_kernel`` reads W (base), U and B (cross) and the lora
+  partials and finishes, in one launch (d_out × r or 2r fp32 of U: no d_out × d_in).
+- fp32 W: the row-dot kernel on (W, A, B) (tf32x3) with the base term from the same W tiles,
+  then ``_norm_finish_kernel``.
 
 Kernels:
 - ``_rowdot_kernel``: program (pm, pn) computes the tile acc = X[rows]·Y[cols]ᵀ and stores the
@@ -51,7 +52,7 @@ import triton.language as tl
 
 from .constants import EPS
 from .norm_torch import FactoredNorm
-from .settings import cross_by_cublas, gram_config, norm_reduce_config, rowdot_config
+from .settings import cublas_cross_pieces, gram_config, norm_reduce_config, rowdot_config
 from .triton_common import cdiv, dot_acc, interpreting, launcher, tracing, unused_pointer
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -231,14 +232,15 @@ def _norm_finish_kernel(
 def _norm_from_u_kernel(
     terms_ptr, stride_tr,  # out: (4, M) fp32 rows base, cross, lora, norm; (6, M) with n_safe, g
     w_ptr, stride_wm, stride_wk,  # W rows (M, K), read through strides (fan_in_fan_out too)
-    u_ptr, stride_um, stride_un,  # U = W·Aᵀ (M, N) fp32
+    u_ptr, stride_um, stride_un,  # U = W·Aᵀ (M, N) fp32; (M, 2N) with PIECES = 2: W·A_hiᵀ, then W·A_loᵀ
     b_ptr, stride_bm, stride_bn,  # B (M, N)
     lora_part_ptr, stride_lp, n_lora,  # (n_lora, M) fp32 partials of the lora term
     mag_ptr,  # (M,) magnitude m, stride 1 (read only WITH_G)
     M, N, K, scaling, eps,
-    WITH_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    WITH_G: tl.constexpr, PIECES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """base = Σ_k W_ik², cross = Σ_j B_ij·U_ij, lora = Σ_p lora_part[p] (fp32; each sum in a fixed
+    """base = Σ_k W_ik², cross = Σ_j B_ij·U_ij (PIECES = 2: Σ_j B_ij·(U_ij + U_i,N+j), the two
+    pieces of A summed in fp32), lora = Σ_p lora_part[p] (fp32; each sum in a fixed
     order: element-wise into a BLOCK-wide fp32 accumulator, then one tree sum, so the norm is
     bitwise deterministic), then the terms as ``_norm_finish_kernel`` stores them. One program
     per BLOCK_M rows: the W pass is a streaming read (U came from cuBLAS, which cannot reduce
@@ -259,6 +261,8 @@ def _norm_from_u_kernel(
         j = j0 + jj
         both = ok[:, None] & (j < N)[None, :]
         u = tl.load(u_ptr + rows[:, None] * stride_um + j[None, :] * stride_un, mask=both, other=0.0)
+        if PIECES == 2:
+            u += tl.load(u_ptr + rows[:, None] * stride_um + (j + N)[None, :] * stride_un, mask=both, other=0.0)
         b = tl.load(b_ptr + rows[:, None] * stride_bm + j[None, :] * stride_bn, mask=both, other=0.0)
         prod += u * b.to(tl.float32)
     cross = tl.sum(prod, axis=1)
@@ -312,7 +316,11 @@ def gram_triton(lora_A: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     workspace of its own on Hopper), and that launch cost more host time than the replay itself:
     1.1% of py-spy's samples of the model step at that line, against 0.6% for the replay (H200
     host, 2026-12-02, benchmarks/results/host_sample_tenth_base_h200.txt). The training step is
-    host-bound; 8 µs of GPU work per layer and step is not."""
+    host-bound; 8 µs of GPU work per layer and step is not. Captured in the norm graph (the
+    workspace set up beforehand) cuBLAS saved 4-7 µs of a whole norm but made n less accurate:
+    relative error against fp64 4.6e-6 instead of 8.8e-7 at d_in = 4096, growing as d_in falls
+    (2.2e-6 at 8192), so not adopted (benchmarks/results/norm_path_fifteenth_gram_cublas_h200.csv
+    against norm_path_fifteenth_bf16_h200.csv, H200, 2026-12-02)."""
     r, d_in = lora_A.shape
     dot_dtype, split_lo, precision = _dot_setup(lora_A.dtype, lora_A.dtype)
     cfg = gram_config(r, d_in)
@@ -404,30 +412,42 @@ def norm_finish(cross_part: torch.Tensor, sq: torch.Tensor, lora_part: torch.Ten
     return terms
 
 
-def cross_product_u(weight_rows: torch.Tensor, lora_A: torch.Tensor) -> torch.Tensor:
-    """U = W·Aᵀ (d_out, r) in fp32 for 16-bit W and A of one dtype: cuBLAS with fp32 output
-    (``aten::mm.dtype``: products exact, fp32 accumulation, fp32 split-K partials, so the
-    reduced-precision-reduction flags do not apply). Under the interpreter (CPU tensors, where
-    that overload does not exist) fp32 copies of W and A multiplied in fp32, the same
-    arithmetic: the copies are d_out × d_in, acceptable only at the interpreter's small shapes."""
+def cross_product_u(weight_rows: torch.Tensor, lora_A: torch.Tensor, pieces: int = 1) -> torch.Tensor:
+    """U = W·Aᵀ in fp32 for 16-bit W: (d_out, r), or with ``pieces`` = 2 (A of another dtype than
+    W) (d_out, 2r), W·A_hiᵀ then W·A_loᵀ, where A_hi = A rounded to W's dtype and A_lo = (A − A_hi)
+    rounded to it (both roundings to nearest, as the row-dot kernel's split; the difference is
+    exact in fp32), one GEMM of 2r columns. cuBLAS with fp32 output (``aten::mm.dtype``: products
+    exact, fp32 accumulation, fp32 split-K partials, so the reduced-precision-reduction flags do
+    not apply). Under the interpreter (CPU tensors, where that overload does not exist) fp32
+    copies multiplied in fp32, the same arithmetic: the copies are d_out × d_in, acceptable only
+    at the interpreter's small shapes."""
     # Outside autograd (the Triton launches are anyway): under grad mode a Parameter A would make
     # the GEMM record a graph node at every norm. Under no_grad (an autograd Function's forward,
     # a graph capture) nothing is recorded, and a detach would be one more host op.
     if torch.is_grad_enabled():
         lora_A = lora_A.detach() if lora_A.requires_grad else lora_A
         weight_rows = weight_rows.detach() if weight_rows.requires_grad else weight_rows
+    if pieces == 2:
+        r = lora_A.shape[0]
+        split = torch.empty(2 * r, lora_A.shape[1], dtype=weight_rows.dtype, device=lora_A.device)
+        split[:r] = lora_A
+        # A − A_hi computed in A's dtype (or fp32, by promotion: exact) and rounded once as it is
+        # stored: no r × d_in temporary of A's dtype.
+        torch.sub(lora_A, split[:r], out=split[r:])
+        lora_A = split
     if weight_rows.device.type == "cuda":
         return torch.mm(weight_rows, lora_A.t(), out_dtype=torch.float32)
     return torch.mm(weight_rows.float(), lora_A.float().t())
 
 
 def norm_from_u(weight_rows: torch.Tensor, U: torch.Tensor, lora_B: torch.Tensor, lora_part: torch.Tensor, scaling: float,
-                magnitude: torch.Tensor | None = None) -> torch.Tensor:
+                magnitude: torch.Tensor | None = None, pieces: int = 1) -> torch.Tensor:
     """(4, d_out) fp32 rows (base, cross, lora, norm), or (6, d_out) with n_safe and g given
-    ``magnitude``, from W's rows (Σ W² is read here), U = W·Aᵀ (cross = Σ B⊙U) and the lora
-    term's row-dot partials: one launch (``_norm_from_u_kernel``)."""
+    ``magnitude``, from W's rows (Σ W² is read here), U = W·Aᵀ (cross = Σ B⊙U; ``pieces`` = 2:
+    U of 2r columns from ``cross_product_u``) and the lora term's row-dot partials: one launch
+    (``_norm_from_u_kernel``)."""
     M, K = weight_rows.shape
-    N = U.shape[1]
+    N = U.shape[1] // pieces
     terms = torch.empty(4 if magnitude is None else 6, M, dtype=torch.float32, device=U.device)
     if M:
         cfg = norm_reduce_config(M, K, N, weight_rows.stride(1) == 1 or K == 1)
@@ -439,7 +459,7 @@ def norm_from_u(weight_rows: torch.Tensor, U: torch.Tensor, lora_B: torch.Tensor
             lora_part, lora_part.stride(0), lora_part.shape[0],
             magnitude if magnitude is not None else unused_pointer(lora_part, tracing()),
             M, N, K, float(scaling), EPS,
-            WITH_G=magnitude is not None, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n,
+            WITH_G=magnitude is not None, PIECES=pieces, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps,
         )
     return terms
@@ -452,10 +472,10 @@ def terms_from_gram(
     """(4, d_out) fp32 rows (base, cross, lora, norm) given G = A·Aᵀ: the launches of the norm
     after the Gram product; with ``magnitude``, (6, d_out) with n_safe and g too.
 
-    16-bit W and A of one dtype (``settings.cross_by_cublas``): U = W·Aᵀ from cuBLAS, then one
-    launch for Σ W², Σ B⊙U and the finish (``norm_from_u``). Otherwise (fp32 W, or adapters of
-    another dtype than W, split into pieces of W's dtype): one row-dot launch for the base and
-    cross terms and one for the finish (``norm_finish``)."""
+    16-bit W (``settings.cublas_cross_pieces``): U = W·Aᵀ from cuBLAS (A split into two pieces
+    of W's dtype when it has another dtype), then one launch for Σ W², Σ B⊙U and the finish
+    (``norm_from_u``). fp32 W: one row-dot launch for the base and cross terms (tf32x3) and one
+    for the finish (``norm_finish``)."""
     W_rows = weight.t() if fan_in_fan_out else weight
     # lora_i = Σ_j B_ij·(B·G)_ij: the row-dot kernel with X = B (dots in W's 16-bit dtype when B
     # is an exact 16-bit adapter; tf32x3 for fp32 B), Y = G (split hi + lo), C = B.
@@ -463,8 +483,10 @@ def terms_from_gram(
     # (tf32x3; this GEMM has K = r, so it is cheap) unless B is bf16, whose range is fp32's.
     B_dot = lora_B if lora_B.dtype != torch.float16 else lora_B.float()
     lora_part, _ = rowdot_parts(B_dot, (B_dot.stride(0), B_dot.stride(1)), G, B_dot, compute_base=False, pieces=3)
-    if cross_by_cublas(weight.dtype, lora_A.dtype):
-        return norm_from_u(W_rows, cross_product_u(W_rows, lora_A), lora_B, lora_part, scaling, magnitude)
+    pieces = cublas_cross_pieces(weight.dtype, lora_A.dtype)
+    if pieces:
+        U = cross_product_u(W_rows, lora_A, pieces)
+        return norm_from_u(W_rows, U, lora_B, lora_part, scaling, magnitude, pieces)
     cross_part, sq = rowdot_parts(weight, W_rows.stride(), lora_A, lora_B, compute_base=True)
     assert sq is not None  # compute_base=True always returns the base term
     return norm_finish(cross_part, sq, lora_part, scaling, magnitude)

@@ -124,20 +124,30 @@ def rowdot_config(M: int, N: int, K: int, x_dtype, split_lo: int) -> RowdotConfi
 HAS_MM_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # cuBLAS GEMM with fp32 output from 16-bit inputs (torch >= 2.8)
 
 
-def cross_by_cublas(weight_dtype: torch.dtype, lora_A_dtype: torch.dtype) -> bool:
-    """Whether the norm's cross term comes from U = W·Aᵀ by cuBLAS (fp32 output) and a row
-    reduction (``norm_triton.norm_from_u``) instead of the row-dot kernel: for 16-bit W and A
-    of one dtype.
+def cublas_cross_pieces(weight_dtype: torch.dtype, lora_A_dtype: torch.dtype) -> int:
+    """How the norm's cross term is formed: 0, by the row-dot kernel (fp32 W, or a torch without
+    cuBLAS's fp32-output GEMM); 1, from U = W·Aᵀ by cuBLAS with fp32 output and a row reduction
+    (``norm_triton.norm_from_u``), A of W's 16-bit dtype; 2, the same with A split into two
+    pieces of W's dtype (hi = A rounded, lo = the rest rounded: 16 significant bits in bf16, as
+    the row-dot kernel splits it), U = W·[A_hi; A_lo]ᵀ as one GEMM of 2r columns, and
+    U_hi + U_lo summed in fp32 by the reduction (fp32 adapters on 16-bit W, PEFT's default, and
+    the other 16-bit dtype).
 
     H200, bf16, r = 384 (benchmarks/rowdot_tile_probe.py, results/rowdot_tiles_fourteenth_h200.csv,
     2026-12-02, µs): the row-dot kernel with the base term fused (128×64 tiles, the only ones
     right with it) 195.8 / 213.8 / 69.3 at 14336×4096 / 4096×14336 / 4096²; cuBLAS's W·Aᵀ alone
     75.5 / 67.0 / 26.8 (597-673 TFLOP/s) and the base term alone 47.5 / 55.1 / 24.2. The fused
     base term is what holds the kernel back: without it the same tiles took 137.9 / 141.0 / 62.4,
-    and the wide tiles, which are right only without it, 114.5-140.6. Adapters of another dtype
-    than W (fp32 adapters on bf16 W: A split into two bf16 pieces) and fp32 W keep the row-dot
-    kernel."""
-    return HAS_MM_DTYPE and weight_dtype == lora_A_dtype and weight_dtype in (torch.bfloat16, torch.float16)
+    and the wide tiles, which are right only without it, 114.5-140.6.
+    Two pieces (fp32 adapters on bf16 W), the whole training-form norm from graph replays
+    (benchmarks/norm_path_probe.py --adapters fp32, results/norm_path_fifteenth_fp32_h200.csv,
+    2026-12-02), row-dot → cuBLAS µs: 14336×4096 570.3 → 313.9, 4096×14336 618.6 → 296.2, 4096²
+    224.1 → 129.9, 8192² 551.1 → 317.8, fan_in_fan_out 4096² 339.0 → 162.0; error of n against
+    fp64 1.6-1.7e-7 both ways; one eager call's scratch 36.8 MiB at 8192² (9.6 before: the pieces
+    and U of 2r columns)."""
+    if not HAS_MM_DTYPE or weight_dtype not in (torch.bfloat16, torch.float16):
+        return 0
+    return 1 if lora_A_dtype == weight_dtype else 2
 
 
 def norm_reduce_config(M: int, K: int, N: int, rows_contiguous: bool) -> NormReduceConfig:
@@ -216,7 +226,8 @@ def backward_token_chunk(T: int, d_out: int, itemsize: int) -> int:
     return max(1, min(T, BACKWARD_CHUNK_BYTES // per_token)) if T * per_token > BACKWARD_CHUNK_BYTES else max(T, 1)
 
 
-def triton_norm_memory_bound(d_out: int, d_in: int, r: int, lora_B_dtype: torch.dtype | None = None) -> int:
+def triton_norm_memory_bound(d_out: int, d_in: int, r: int, lora_B_dtype: torch.dtype | None = None,
+                             split_adapters: bool = False) -> int:
     """Bytes the Triton factored norm allocates: the Gram partials (splits, r, r) and G, the
     per-column-tile partials of cross and lora (2 × n_tiles × d_out), Σ W² and the four term vectors;
     four more d_out vectors when the norm is replayed from a CUDA graph (kernels/norm_graphs.py:
@@ -225,9 +236,14 @@ def triton_norm_memory_bound(d_out: int, d_in: int, r: int, lora_B_dtype: torch.
     fp16 pieces of G would overflow; norm_triton.factored_norm_triton). A training forward's
     norm (``Backend.scaled_norm``) has two more output rows, n_safe and g, which replace the
     tensors the clamp and the division made before; they are the layer's, not the norm's.
-    With 16-bit W and A of one dtype (``cross_by_cublas``) U = W·Aᵀ in fp32 (d_out × r) takes
-    the place of the cross term's partials; the bound counts both, whichever path runs."""
+    On 16-bit W (``cublas_cross_pieces``) U = W·Aᵀ in fp32 (d_out × r) takes the place of the
+    cross term's partials; the bound counts both, whichever path runs. ``split_adapters``: A is
+    of another dtype than W (fp32 adapters on bf16 W) and is split into two pieces of W's dtype
+    (2 × r × d_in 16-bit values; the low piece is rounded as it is stored, with no temporary),
+    with U of 2r columns."""
     cfg = gram_config(r, d_in)
     n_tiles = -(-r // 64) if r else 1  # partial rows per term: 64-wide row-dot tiles (rowdot_config), split K = 1
     b_copy = d_out * r if lora_B_dtype == torch.float16 else 0
-    return 4 * (r * r * (cfg.splits + 1) + d_out * (2 * n_tiles + 9) + d_out * r + b_copy)
+    u = d_out * r * (2 if split_adapters else 1)
+    pieces = r * d_in if split_adapters else 0  # the two 16-bit pieces of A: 2 × r × d_in 16-bit values
+    return 4 * (r * r * (cfg.splits + 1) + d_out * (2 * n_tiles + 9) + u + pieces + b_copy)

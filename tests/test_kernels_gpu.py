@@ -290,6 +290,38 @@ def test_norm_cross_term_at_every_rank_is_right_and_repeatable(r):
         assert torch.equal(got, getattr(again, name)), f"{name} not bitwise repeatable"
 
 
+@pytest.mark.parametrize("adapter_dtype", [torch.bfloat16, torch.float32], ids=["bf16_adapters", "fp32_adapters_in_two_pieces"])
+def test_cublas_norm_path_is_right_repeatable_and_within_its_memory_bound(adapter_dtype):
+    """The cuBLAS path of the norm (U = W·Aᵀ, then one reduction) on bf16 W: with bf16 adapters,
+    and with fp32 adapters (PEFT's default) split into two bf16 pieces, U of 2r columns. Terms
+    against fp64 (a priori: fp32 sums over d_in; the split keeps 16 bits of A, so 2^-16 there),
+    bitwise repeatable, and one eager call's scratch within what
+    ``settings.triton_norm_memory_bound`` declares (``split_adapters`` for the pieces)."""
+    from doracheck.kernels import norm_triton
+    from doracheck.kernels.settings import cublas_cross_pieces, triton_norm_memory_bound
+
+    d_out, d_in, r = 8192, 4096, 384
+    case = make_case(d_out, d_in, r, 4, torch.bfloat16, adapter_dtype=adapter_dtype, seed=r, device="cuda")
+    W, A, B, s = case.weight, case.lora_A, case.lora_B, case.scaling
+    split = adapter_dtype != W.dtype
+    assert cublas_cross_pieces(W.dtype, A.dtype) == (2 if split else 1)
+    first = norm_triton.norm_terms(W, A, B, s, False)  # also compiles and sets up cuBLAS's workspace
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    again = norm_triton.norm_terms(W, A, B, s, False)
+    torch.cuda.synchronize()
+    scratch = torch.cuda.max_memory_allocated() - before
+    bound = triton_norm_memory_bound(d_out, d_in, r, B.dtype, split_adapters=split)
+    assert scratch <= bound, f"scratch {scratch / 2**20:.1f} MiB > declared {bound / 2**20:.1f} MiB"
+    assert torch.equal(first, again), "not bitwise repeatable"
+    ref = norm_terms_ref(W, A, B, s)
+    tol = 2.0**-16 if split else gamma(d_in)
+    for row, name in enumerate(("base", "cross", "lora", "norm")):
+        err = rel_l2(first[row], getattr(ref, name))
+        assert err <= tol, f"{name}: {err:.3e} > {tol:.1e}"
+
+
 @pytest.mark.parametrize("variant", ["factored", "factored+whole", "factored+recompute_xa", "merged", "merged+whole+recompute_xa"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_every_planner_variant_forced_on_the_gpu(variant, dtype, monkeypatch):

@@ -50,9 +50,10 @@ def test_dora_linear_triton_path_matches_oracle(shape, dtype, adapter_dtype):
 @pytest.mark.parametrize("dtype,adapter_dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("r", [19, 40], ids=["r19", "r40_three_subtiles"])
 def test_factored_norm_kernel_terms(monkeypatch, dtype, adapter_dtype, fan_in_fan_out, r):
-    """r = 40 runs the row-dot kernel with three 16-wide sub-tiles per program (interpreter blocks).
-    16-bit W and A of one dtype take the cuBLAS path (U = W·Aᵀ, then ``_norm_from_u_kernel``,
-    several row and column tiles at these shapes); the others the fused row-dot kernel."""
+    """16-bit W takes the cuBLAS path (U = W·Aᵀ, then ``_norm_from_u_kernel``, several row and
+    column tiles at these shapes; fp32 A on bf16 W split into two bf16 pieces, U of 2r columns);
+    fp32 W the fused row-dot kernel, which r = 40 runs with three 16-wide sub-tiles per program
+    (interpreter blocks)."""
     paths: list[str] = []
     from_u = norm_triton.norm_from_u
     monkeypatch.setattr(norm_triton, "norm_from_u", lambda *a, **k: paths.append("u") or from_u(*a, **k))
@@ -67,26 +68,27 @@ def test_factored_norm_kernel_terms(monkeypatch, dtype, adapter_dtype, fan_in_fa
     # Under the interpreter every dot is fp32 (operands upcast): fp32 accumulation error only,
     # except fp32 A against 16-bit W, whose hi+lo split keeps 16 bits of A (budgets.py).
     tol = 1e-6 if not (dtype == torch.bfloat16 and adapter_dtype == torch.float32) else 2.0**-16
-    assert paths == (["u"] if dtype == adapter_dtype != torch.float32 else [])
+    assert paths == (["u"] if dtype != torch.float32 else [])
     for name, a, b in zip(("base", "cross", "lora", "norm"), (got.base, got.cross, got.lora, got.norm), ref):
         assert a.dtype == torch.float32
         assert rel_l2(a, b) <= tol, f"{name}: {rel_l2(a, b):.2e} > {tol:.1e}"
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("adapter_dtype", [torch.bfloat16, torch.float32], ids=["from_u", "row_dot"])
+@pytest.mark.parametrize("w_dtype,adapter_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                   (torch.float32, torch.float32)], ids=["from_u", "from_u_pieces", "row_dot"])
 @pytest.mark.parametrize("m_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_norm_finish_forms_max_n_eps_and_g_bitwise_as_torch(m_dtype, adapter_dtype):
+def test_norm_finish_forms_max_n_eps_and_g_bitwise_as_torch(m_dtype, w_dtype, adapter_dtype):
     """With the magnitude, the finish kernel's rows 4 and 5 are bitwise torch.clamp_min(n, eps)
     and torch.div(m, n_safe) (what a training forward ran after the norm), zero rows of V
     (n = 0: g = m / eps), m = 0 and a NaN row (NaN stays NaN) included; and the Triton backend's
-    ``scaled_norm`` hands out exactly those. Both finishing kernels: after cuBLAS's U (bf16
-    adapters on bf16 W) and after the row-dot kernel (fp32 adapters)."""
+    ``scaled_norm`` hands out exactly those. Both finishing kernels: after cuBLAS's U (bf16 W,
+    bf16 adapters or fp32 ones in two pieces) and after the row-dot kernel (fp32 W)."""
     from doracheck.dispatch import backend_for
 
     gen = torch.Generator().manual_seed(8)
     d_out, d_in, r = 37, 45, 19
-    W = torch.randn(d_out, d_in, generator=gen).bfloat16()
+    W = torch.randn(d_out, d_in, generator=gen).to(w_dtype)
     A = (torch.randn(r, d_in, generator=gen) * 0.1).to(adapter_dtype)
     B = torch.randn(d_out, r, generator=gen).to(adapter_dtype)
     W[3], B[3] = 0.0, 0.0  # a zero row of V
