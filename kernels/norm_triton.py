@@ -30,7 +30,8 @@ the norm is bitwise deterministic.
 Precision: 16-bit X run on bf16/fp16 tensor cores with fp32 accumulation (cuBLAS's U too: exact
 products, fp32 accumulation and split-K partials). A Y of another dtype
 is split into pieces of X's dtype instead of being rounded: fp32 (or fp16-under-bf16) adapters A
-into two (hi + lo: 16 bits in bf16; the big GEMM runs twice), G into three with bf16 B (about
+into two (hi + lo: 16 bits in bf16; cuBLAS's GEMM then has 2r columns, the row-dot kernel's runs
+twice), G into three with bf16 B (about
 all 24 bits; that GEMM has K = r, so a third pass is cheap). With fp16 B the lora GEMM runs in
 fp32 (tf32x3): fp16 pieces of G would overflow or fall into subnormals. When X is
 fp32 the dots use ``tf32x3`` (about fp32 accuracy). ``fan_in_fan_out`` is read through strides.
@@ -49,6 +50,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 from .constants import EPS
 from .norm_torch import FactoredNorm
@@ -430,10 +432,14 @@ def cross_product_u(weight_rows: torch.Tensor, lora_A: torch.Tensor, pieces: int
     if pieces == 2:
         r = lora_A.shape[0]
         split = torch.empty(2 * r, lora_A.shape[1], dtype=weight_rows.dtype, device=lora_A.device)
-        split[:r] = lora_A
-        # A − A_hi computed in A's dtype (or fp32, by promotion: exact) and rounded once as it is
-        # stored: no r × d_in temporary of A's dtype.
-        torch.sub(lora_A, split[:r], out=split[r:])
+        # Without forward-mode AD: a dual A (under fwAD.dual_level) would make the split dual, and
+        # torch.sub has no forward AD with out= (it raised). The norm carries no tangent either
+        # way, as its Triton launches do not (norm_graphs turns forward AD off the same way).
+        with _set_fwd_grad_enabled(False):
+            split[:r] = lora_A
+            # A − A_hi computed in A's dtype (or fp32, by promotion: exact) and rounded once as
+            # it is stored: no r × d_in temporary of A's dtype.
+            torch.sub(lora_A, split[:r], out=split[r:])
         lora_A = split
     if weight_rows.device.type == "cuda":
         return torch.mm(weight_rows, lora_A.t(), out_dtype=torch.float32)

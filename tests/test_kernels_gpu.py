@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import doracheck
+from doracheck.kernels.settings import HAS_MM_DTYPE
 from doracheck.norm_cache import clear_norm_cache, norm_cache_stats
 from doracheck.properties import budget_for, device_family
 from doracheck.properties.props import a_priori_bound, conditioning
@@ -84,9 +85,9 @@ def test_factored_norm_within_budget(dtype, adapter_dtype, fan_in_fan_out, r):
 
 
 def test_kernels_bitwise_deterministic():
-    """Our kernels: norm (both paths: fp32 adapters on bf16 W through the row-dot kernel, bf16
-    adapters through cuBLAS's U = W·Aᵀ and the reduction), compose, dz/dm are bitwise
-    reproducible."""
+    """Our kernels: norm (all three paths: fp32 W through the row-dot kernel, bf16 adapters on
+    bf16 W through cuBLAS's U = W·Aᵀ and the reduction, fp32 adapters on bf16 W through cuBLAS
+    on A's two pieces), compose, dz/dm are bitwise reproducible."""
     from doracheck.kernels import compose_triton, norm_triton
 
     gen = torch.Generator().manual_seed(4)
@@ -97,11 +98,12 @@ def test_kernels_bitwise_deterministic():
     n2 = norm_triton.factored_norm_triton(W, A, B, 2.0)
     for a, b in zip((n1.base, n1.cross, n1.lora, n1.norm), (n2.base, n2.cross, n2.lora, n2.norm)):
         assert torch.equal(a, b)
-    A16, B16 = A.bfloat16(), B.bfloat16()
-    u1 = norm_triton.factored_norm_triton(W, A16, B16, 2.0)
-    u2 = norm_triton.factored_norm_triton(W, A16, B16, 2.0)
-    for a, b in zip((u1.base, u1.cross, u1.lora, u1.norm), (u2.base, u2.cross, u2.lora, u2.norm)):
-        assert torch.equal(a, b)
+    A16, B16, W32 = A.bfloat16(), B.bfloat16(), W.float()
+    for args in ((W, A16, B16), (W32, A, B)):
+        u1 = norm_triton.factored_norm_triton(*args, 2.0)
+        u2 = norm_triton.factored_norm_triton(*args, 2.0)
+        for a, b in zip((u1.base, u1.cross, u1.lora, u1.norm), (u2.base, u2.cross, u2.lora, u2.norm)):
+            assert torch.equal(a, b)
     base = torch.randn(2048, 4099, generator=gen).to("cuda", torch.bfloat16)
     xa = torch.randn(2048, 384, generator=gen).to("cuda", torch.bfloat16)
     g = n1.norm / n1.norm.mean()
@@ -290,6 +292,7 @@ def test_norm_cross_term_at_every_rank_is_right_and_repeatable(r):
         assert torch.equal(got, getattr(again, name)), f"{name} not bitwise repeatable"
 
 
+@pytest.mark.skipif(not HAS_MM_DTYPE, reason="this torch has no fp32-output GEMM (aten::mm.dtype): the row-dot path runs")
 @pytest.mark.parametrize("adapter_dtype", [torch.bfloat16, torch.float32], ids=["bf16_adapters", "fp32_adapters_in_two_pieces"])
 def test_cublas_norm_path_is_right_repeatable_and_within_its_memory_bound(adapter_dtype):
     """The cuBLAS path of the norm (U = W·Aᵀ, then one reduction) on bf16 W: with bf16 adapters,

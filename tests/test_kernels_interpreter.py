@@ -75,6 +75,26 @@ def test_factored_norm_kernel_terms(monkeypatch, dtype, adapter_dtype, fan_in_fa
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("adapter_dtype", [torch.bfloat16, torch.float32], ids=["one_piece", "two_pieces"])
+def test_the_cublas_norm_path_runs_under_forward_mode_ad_and_ignores_the_tangent(adapter_dtype):
+    """A dual A (under ``fwAD.dual_level``) gives the norm's terms of its primal, bitwise: the
+    norm carries no tangent (its Triton launches never did). The two-piece split's out= subtraction
+    has no forward AD in torch and raised before the split ran with forward AD off."""
+    import torch.autograd.forward_ad as fwAD
+
+    gen = torch.Generator().manual_seed(9)
+    W = torch.randn(37, 45, generator=gen).bfloat16()
+    A = (torch.randn(19, 45, generator=gen) * 0.1).to(adapter_dtype)
+    B = torch.randn(37, 19, generator=gen).to(adapter_dtype)
+    want = norm_triton.norm_terms(W, A, B, 2.0, False)
+    with fwAD.dual_level():
+        dual_A = fwAD.make_dual(A, torch.randn(A.shape, generator=gen).to(adapter_dtype))
+        got = norm_triton.norm_terms(W, dual_A, B, 2.0, False)
+        assert fwAD.unpack_dual(got).tangent is None
+    assert torch.equal(fwAD.unpack_dual(got).primal, want)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("w_dtype,adapter_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
                                                    (torch.float32, torch.float32)], ids=["from_u", "from_u_pieces", "row_dot"])
 @pytest.mark.parametrize("m_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -271,7 +291,7 @@ def test_torch_compile_matches_eager_on_the_triton_ops(with_bias, adapter_dtype)
 
     Both compose variants are traced: with a bias (y and z from one kernel) and without (y
     saved as the output). The traced graph holds only functional ops (kernels/ops.py says why).
-    fp32 adapters on bf16 W trace the norm's other path (the row-dot kernel on A's two pieces).
+    fp32 adapters on bf16 W trace the norm's two-piece path (A split into bf16 pieces, U of 2r columns).
     """
     case = make_case(24, 20, 4, (2, 5), torch.bfloat16, adapter_dtype=adapter_dtype, seed=4, device="cpu")
     bias = case.bias if with_bias else None

@@ -131,9 +131,11 @@ def test_at_the_cap_a_graph_whose_W_was_freed_makes_room_too(monkeypatch):
     assert [k[3] for k in norm_graphs._graphs] == [id(W2)]
 
 
-@pytest.mark.parametrize("dtype,runs_cublas", [(torch.bfloat16, True), (torch.float16, True), (torch.float32, False)])
-def test_the_capture_streams_cublas_workspace_is_set_up_at_a_norms_first_sighting(monkeypatch, dtype, runs_cublas):
-    """A norm that runs cuBLAS (16-bit W and A of one dtype) sets up the capture stream's cuBLAS
+@pytest.mark.parametrize("dtype,adapter_dtype,runs_cublas", [(torch.bfloat16, torch.bfloat16, True), (torch.float16, torch.float16, True),
+                                                         (torch.bfloat16, torch.float32, True), (torch.float32, torch.float32, False)])
+def test_the_capture_streams_cublas_workspace_is_set_up_at_a_norms_first_sighting(monkeypatch, dtype, adapter_dtype, runs_cublas):
+    """A norm that runs cuBLAS (16-bit W, its adapters of that dtype or split into two pieces of
+    it) sets up the capture stream's cuBLAS
     workspace at its first sighting, before any capture and once per device: process state,
     not memory of the call that captures (which ``verify``'s norm.memory property measures).
     An fp32 norm, which runs no cuBLAS, never sets it up."""
@@ -144,7 +146,7 @@ def test_the_capture_streams_cublas_workspace_is_set_up_at_a_norms_first_sightin
     monkeypatch.setattr(norm_graphs, "_blas_ready", set())
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: calls.append("stream") or object())
     monkeypatch.setattr(norm_graphs, "_set_up_blas_workspace", lambda side, device: calls.append("blas"))
-    W, A, B = torch.ones(4, 3, dtype=dtype), torch.ones(2, 3, dtype=dtype), torch.ones(4, 2, dtype=dtype)
+    W, A, B = torch.ones(4, 3, dtype=dtype), torch.ones(2, 3, dtype=adapter_dtype), torch.ones(4, 2, dtype=adapter_dtype)
     assert norm_graphs.graphed_norm(W, A, B, 1.0, False, lambda: torch.zeros(4, 4)) is None  # first sighting
     assert calls == (["stream", "blas"] if runs_cublas else ["stream"])
     W2 = torch.ones(4, 3, dtype=dtype)  # another layer of the same device: nothing set up again
