@@ -201,10 +201,13 @@ def compose_config(T: int, d_out: int, r: int) -> ComposeConfig:
 def grad_config(T: int, d_out: int) -> GradConfig:
     if _interpreting():
         return GradConfig(16, 16, 1)
-    # H200, T = 4096, d_out = 8192, bf16 (benchmarks/kernel_timing.py, 2026-11-29): 64×128,
-    # 8 warps: 79.9 µs (2.52 TB/s of 4.25 measured copy); 32×256 (4 warps): 86.0; 8×1024: 88.2;
-    # 128×256: 97.6; 64×256: 106.4.
-    return GradConfig(64, 128, 8)
+    # H200, bf16, GPU µs from CUDA-graph replays (benchmarks/fused_pass_probe.py --only grad,
+    # 2026-12-02, results/fused_pass_sixteenth_grad{,_old}_h200.csv), 64×64 tokens×features with
+    # 4 warps against the earlier 64×128 with 8: 34.7 vs 41.7 at T 2048 × d_out 8192, 32.7 vs
+    # 40.6 at 1170 × 14336, 33.2 vs 39.8 at 4096², 9.8 vs 12.3 at 4096 × 1024; dz bitwise the
+    # same, dm within 1e-6 relative. Others: 128×64 (8 warps) 35.0-36.9; 32×128 41.9-43.9;
+    # 64×128 (4 warps) 50-58; 128×128 51-53; 64×256 56-70 (the fifteenth session's sweep agrees).
+    return GradConfig(64, 64, 4)
 
 
 # Backward: dz = g⊙dy is materialised a token chunk at a time when the whole of it would
