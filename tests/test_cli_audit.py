@@ -386,3 +386,38 @@ def test_report_path_that_cannot_be_written(work):
         proc = run_clean(["audit", "s", "--report", target], work)
         assert proc.returncode == 2 and why in one_line(proc)
     assert snapshot(work) == before
+
+
+@pytest.mark.parametrize("weight_dtype", [None, torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_implementation_bound_counts_the_split_of_adapters_of_another_dtype(monkeypatch, weight_dtype, adapter_dtype):
+    """The audit's ``implementation_bound`` on the Triton path is the bound of the norm path
+    that runs for these adapters on this base (``settings.cublas_cross_pieces``: fp32 adapters
+    on a 16-bit base are split into two pieces, U of 2r columns); with the base's dtype unknown,
+    the largest over 16-bit bases, so never below what any of them allocates."""
+    from doracheck import dispatch
+    from doracheck.audit.checks import ModuleReport, check_memory, update_memory_bound
+    from doracheck.kernels.settings import cublas_cross_pieces, triton_norm_memory_bound
+
+    monkeypatch.setattr(dispatch, "choose_path", lambda device: dispatch.PathChoice("triton", "test"))
+    d_out, d_in, r = 4096, 1024, 64
+
+    def bound(w):
+        report = ModuleReport(name="m", fmt="peft")
+        check_memory(report, d_out, d_in, r, "cpu", adapter_dtype, adapter_dtype, w)
+        mem = report.stats["memory_bytes"]
+        assert mem["path"] == "triton" and mem["base_dtype"] == (None if w is None else str(w).replace("torch.", ""))
+        return mem["implementation_bound"]
+
+    got = bound(weight_dtype)
+    if weight_dtype is None:
+        assert got == max(bound(torch.bfloat16), bound(torch.float16))
+    else:
+        split = cublas_cross_pieces(weight_dtype, adapter_dtype) == 2
+        assert got == triton_norm_memory_bound(d_out, d_in, r, adapter_dtype, split_adapters=split)
+    if weight_dtype is torch.bfloat16 and adapter_dtype is torch.float32 and cublas_cross_pieces(weight_dtype, adapter_dtype) == 2:
+        assert got - triton_norm_memory_bound(d_out, d_in, r, adapter_dtype) == 4 * r * (d_in + d_out)  # the two pieces and U's r more columns
+    report = ModuleReport(name="m", fmt="peft")  # read the base later: the bound becomes that base's
+    check_memory(report, d_out, d_in, r, "cpu", adapter_dtype, adapter_dtype)
+    update_memory_bound(report, d_out, d_in, r, "cpu", adapter_dtype, adapter_dtype, torch.float32)
+    assert report.stats["memory_bytes"]["implementation_bound"] == triton_norm_memory_bound(d_out, d_in, r, adapter_dtype)

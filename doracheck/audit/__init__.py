@@ -27,6 +27,7 @@ from .checks import (
     check_norm_and_scale,
     check_structure,
     note_kohya,
+    update_memory_bound,
 )
 from .discovery import AdapterConfig, ModuleKeys, find_modules, natural_key, rank_and_scaling
 from .reader import AuditInputError, BaseWeights, SafetensorsFile, adapter_file
@@ -173,7 +174,7 @@ def _audit_module(adapter: SafetensorsFile, keys, cfg: AdapterConfig | None, bas
     A, B, m = tensors["A"], tensors["B"], tensors["magnitude"]
     assert report.d_out is not None and report.d_in is not None and report.r is not None  # set by check_structure
     check_magnitude(report, m)
-    check_memory(report, report.d_out, report.d_in, report.r, dev)
+    check_memory(report, report.d_out, report.d_in, report.r, dev, A.dtype, B.dtype)
     if scaling is None:
         report.add("config.missing", "warning", how)
         return report
@@ -182,6 +183,7 @@ def _audit_module(adapter: SafetensorsFile, keys, cfg: AdapterConfig | None, bas
     W = _base_weight(report, keys.name, base, cfg)
     if W is None:
         return report
+    update_memory_bound(report, report.d_out, report.d_in, report.r, dev, A.dtype, B.dtype, W.dtype)
     fan = bool(cfg.fan_in_fan_out) if cfg else False
     g = check_norm_and_scale(report, W, A, B, m, scaling, fan, dev)
     check_merge(report, W, A, B, g, scaling, fan, dev)

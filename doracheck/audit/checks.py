@@ -331,24 +331,42 @@ def check_merge(report: ModuleReport, W, A, B, g, scaling: float, fan_in_fan_out
         report.add("merge.ulp", "info", message)
 
 
-def check_memory(report: ModuleReport, d_out: int, d_in: int, r: int, device) -> None:
+def check_memory(report: ModuleReport, d_out: int, d_in: int, r: int, device, lora_A_dtype: torch.dtype | None = None,
+                 lora_B_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None) -> None:
     """The norm's scratch, like for like in fp32 (W itself excluded): a dense norm holds at
     least V = W + s·B·A (d_out×d_in; PEFT's eager path also holds B·A); the factored norm holds
     U = W·Aᵀ (d_out×r), G = A·Aᵀ (r×r) and four d_out vectors (base, cross, lora, n).
     ``implementation_bound`` is what doracheck's kernels on this device's path allocate in all,
-    including the bounded column chunks of W they read through."""
-    from doracheck.dispatch import choose_path
-    from doracheck.kernels import norm_memory_bound
-    from doracheck.kernels.settings import triton_norm_memory_bound
-
+    including the bounded column chunks of W they read through, for these adapter dtypes on a
+    base of ``weight_dtype``; with the base's dtype unknown (no ``--base`` yet), the larger of
+    the bounds for a bf16 and an fp16 base (fp32 adapters on a 16-bit base are split into two
+    16-bit pieces: ``settings.cublas_cross_pieces``). ``update_memory_bound`` makes it exact
+    once the base weight is read."""
     dense = 4 * d_out * d_in
     factored = 4 * (d_out * r + r * r + 4 * d_out)
-    path = choose_path(torch.device(device)).name
-    bound = triton_norm_memory_bound(d_out, d_in, r) if path == "triton" else norm_memory_bound(d_out, d_in, r)
-    report.stats["memory_bytes"] = {"dense_norm": dense, "factored_norm": factored, "dtype": "fp32",
-                                    "implementation_bound": bound, "path": path}
+    report.stats["memory_bytes"] = {"dense_norm": dense, "factored_norm": factored, "dtype": "fp32"}
+    update_memory_bound(report, d_out, d_in, r, device, lora_A_dtype, lora_B_dtype, weight_dtype)
     report.add("memory", "info", f"norm scratch in fp32 (W excluded): dense V = W + s·B·A {format_bytes(dense)}, "
                f"factored terms {format_bytes(factored)}")
+
+
+def update_memory_bound(report: ModuleReport, d_out: int, d_in: int, r: int, device, lora_A_dtype: torch.dtype | None,
+                        lora_B_dtype: torch.dtype | None, weight_dtype: torch.dtype | None) -> None:
+    """Set ``stats["memory_bytes"]``'s ``implementation_bound``, ``path`` and ``base_dtype``
+    (None: not known, the bound the larger over 16-bit bases; see ``check_memory``)."""
+    from doracheck.dispatch import choose_path
+    from doracheck.kernels import norm_memory_bound
+    from doracheck.kernels.settings import cublas_cross_pieces, triton_norm_memory_bound
+
+    path = choose_path(torch.device(device)).name
+    if path == "triton":
+        bases = (weight_dtype,) if weight_dtype is not None else (torch.bfloat16, torch.float16)
+        split = lora_A_dtype is not None and any(cublas_cross_pieces(w, lora_A_dtype) == 2 for w in bases)
+        bound = triton_norm_memory_bound(d_out, d_in, r, lora_B_dtype, split_adapters=split)
+    else:
+        bound = norm_memory_bound(d_out, d_in, r)
+    report.stats["memory_bytes"].update(implementation_bound=bound, path=path,
+                                        base_dtype=None if weight_dtype is None else str(weight_dtype).replace("torch.", ""))
 
 
 def format_bytes(n: float) -> str:
