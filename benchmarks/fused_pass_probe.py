@@ -32,6 +32,8 @@ COMPOSE_CANDIDATES = [
     None, (64, 128, 64, 8, 4, 4), (64, 128, 128, 8, 4, 3), (64, 128, 64, 16, 4, 3), (64, 128, 64, 4, 4, 3),
     (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (64, 256, 64, 8, 8, 3), (128, 64, 64, 8, 4, 3),
     (128, 256, 64, 8, 8, 3), (64, 64, 64, 8, 4, 3), (64, 128, 64, 8, 8, 3),
+    # sixteenth session: two stages (more programs per SM for the epilogue's base load) and 32-wide K
+    (64, 128, 64, 8, 4, 2), (128, 128, 64, 8, 8, 2), (64, 256, 64, 8, 8, 2), (64, 128, 32, 8, 4, 4), (128, 128, 32, 8, 8, 3),
 ]
 COMPOSE_SHAPES = [(4096, 8192, 384), (4096, 14336, 384), (4096, 4096, 384), (4096, 1024, 384)]
 # (block_t, block_d, warps); the first is the shipped one. (The fifteenth session's first run also

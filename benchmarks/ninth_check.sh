@@ -41,6 +41,9 @@
 #                                and .old/ (the Gram product's A/B), fp32 adapters with this checkout (fifteenth session)
 #   fp32_step                    bench_step.py --mode eager_gc + fused AdamW, fp32 adapters: PEFT DoRA, doracheck, and
 #                                doracheck from .old/, one process each (fifteenth session)
+#   anatomy                      layer_step_anatomy.py: one layer's step (8192², r 384, T 1 and 4096, fused AdamW),
+#                                host µs per phase, syncs, profiler ops, nn.Linear and doracheck (sixteenth session)
+#   cublas_tests                 the cuBLAS norm path's GPU test, every weight and adapter dtype pair (sixteenth session)
 #   fusedpass, fusedpass_old     fused_pass_probe.py: compose and dz/dm tile sweeps with floors, this checkout / .old/
 #                                (FUSED_ONLY=compose or grad: one of the two)
 # .old/ holds `git archive` of the commit to compare against (ignored by git, named in carry).
@@ -208,6 +211,13 @@ if [[ $PARTS == *,decode_ab,* && -n ${OLD:-} ]]; then  # eager decode, this chec
   for f in "$R"/decode_new_*.csv "$R"/decode_old_*.csv; do echo "$(basename "$f")"; cut -d, -f1,3,7 "$f"; done
 fi
 cd ..
+if [[ $PARTS == *,anatomy,* ]]; then
+  step anatomy 300 $PY benchmarks/layer_step_anatomy.py --out "$R/anatomy.txt"
+fi
+if [[ $PARTS == *,cublas_tests,* ]]; then
+  step cublas_tests 120 $PY -m pytest -m gpu -q -p no:cacheprovider -rs \
+    "tests/test_kernels_gpu.py::test_cublas_norm_path_is_right_repeatable_and_within_its_memory_bound"
+fi
 if [[ $PARTS == *,verify,* ]]; then
   step verify 120 doracheck verify --quick
 fi

@@ -293,18 +293,24 @@ def test_norm_cross_term_at_every_rank_is_right_and_repeatable(r):
 
 
 @pytest.mark.skipif(not HAS_MM_DTYPE, reason="this torch has no fp32-output GEMM (aten::mm.dtype): the row-dot path runs")
-@pytest.mark.parametrize("adapter_dtype", [torch.bfloat16, torch.float32], ids=["bf16_adapters", "fp32_adapters_in_two_pieces"])
-def test_cublas_norm_path_is_right_repeatable_and_within_its_memory_bound(adapter_dtype):
-    """The cuBLAS path of the norm (U = W·Aᵀ, then one reduction) on bf16 W: with bf16 adapters,
-    and with fp32 adapters (PEFT's default) split into two bf16 pieces, U of 2r columns. Terms
-    against fp64 (a priori: fp32 sums over d_in; the split keeps 16 bits of A, so 2^-16 there),
+@pytest.mark.parametrize(
+    "dtype,adapter_dtype",
+    [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+     (torch.float16, torch.bfloat16)],
+    ids=["bf16_adapters", "fp32_adapters_in_two_pieces", "fp16_W_fp32_adapters_in_two_pieces", "fp16_W_bf16_adapters_in_two_pieces"],
+)
+def test_cublas_norm_path_is_right_repeatable_and_within_its_memory_bound(dtype, adapter_dtype):
+    """The cuBLAS path of the norm (U = W·Aᵀ, then one reduction) on 16-bit W: with adapters of
+    W's dtype, and with adapters of another dtype (fp32, PEFT's default, or the other 16-bit
+    one) split into two pieces of W's dtype, U of 2r columns. Terms against fp64 (a priori:
+    fp32 sums over d_in; two pieces keep at least 16 significant bits of A, so 2^-16 there),
     bitwise repeatable, and one eager call's scratch within what
     ``settings.triton_norm_memory_bound`` declares (``split_adapters`` for the pieces)."""
     from doracheck.kernels import norm_triton
     from doracheck.kernels.settings import cublas_cross_pieces, triton_norm_memory_bound
 
     d_out, d_in, r = 8192, 4096, 384
-    case = make_case(d_out, d_in, r, 4, torch.bfloat16, adapter_dtype=adapter_dtype, seed=r, device="cuda")
+    case = make_case(d_out, d_in, r, 4, dtype, adapter_dtype=adapter_dtype, seed=r, device="cuda")
     W, A, B, s = case.weight, case.lora_A, case.lora_B, case.scaling
     split = adapter_dtype != W.dtype
     assert cublas_cross_pieces(W.dtype, A.dtype) == (2 if split else 1)
