@@ -33,7 +33,8 @@ finish() {  # pack everything into $OUT/results.tgz and print the step table las
 SECOND_GPU=$(( $(nvidia-smi -L | wc -l) > 1 ? 1 : 0 ))
 # The kernel cases the drivers run under compute-sanitizer's memcheck (each may add its own): the
 # T = 16 and odd small-T compose, small-T inference, CUDA-graph capture, fast launches, determinism,
-# the dm pass (dm_finish), the norm graph that forms max(n, eps) and g, the norm's two-piece cuBLAS path.
+# the dm pass (dm_finish), the norm graph that forms max(n, eps) and g, the norm's two-piece cuBLAS path,
+# the persistent TMA compose (every epilogue variant, and a training step through it).
 MEMCHECK_IDS=(
   "tests/test_kernels_gpu.py::test_forward_backward_within_budget[(1031, 4099, 384, 16)-bfloat16-bfloat16]"
   "tests/test_kernels_gpu.py::test_forward_backward_within_budget[(65, 1031, 17, 15)-float16-float16]"
@@ -45,6 +46,8 @@ MEMCHECK_IDS=(
   "tests/test_zero_magnitude.py::test_dm_finish_kernel_on_the_gpu"
   "tests/test_norm_graphs.py::test_the_scaled_norm_replay_is_bitwise_norm_clamp_and_division_and_follows_m[torch.bfloat16-False]"
   "tests/test_kernels_gpu.py::test_factored_norm_within_budget[bfloat16-float32-False-r200]"
+  "tests/test_kernels_gpu.py::test_tma_compose_is_the_pointer_kernel_bitwise"
+  "tests/test_kernels_gpu.py::test_forward_backward_within_budget_through_the_tma_compose[bfloat16]"
 )
 check_summary() {  # the GPU tests', memcheck's and verify's last lines, where those steps ran
   grep -v DEBUG "$R/gpu_tests.log" 2>/dev/null | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 8

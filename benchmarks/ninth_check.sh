@@ -46,6 +46,8 @@
 #   cublas_tests                 the cuBLAS norm path's GPU test, every weight and adapter dtype pair (sixteenth session)
 #   fusedpass, fusedpass_old     fused_pass_probe.py: compose and dz/dm tile sweeps with floors, this checkout / .old/
 #                                (FUSED_ONLY=compose or grad: one of the two)
+#   compose_variants             compose_variants_probe.py: the compose kernel's structure (early epilogue loads,
+#                                persistent over TMA descriptors), floors and the shipped kernel (seventeenth session)
 # .old/ holds `git archive` of the commit to compare against (ignored by git, named in carry).
 set -u
 source benchmarks/gpu_common.sh
@@ -175,6 +177,9 @@ fi
 if [[ $PARTS == *,fusedpass_old,* && -n ${OLD:-} ]]; then
   step fusedpass_old 200 $OLD $PY fused_pass_probe.py ${FUSED_ONLY:+--only $FUSED_ONLY} --csv "$R/fusedpass_old.csv"
 fi
+if [[ $PARTS == *,compose_variants,* ]]; then
+  step compose_variants 240 $PY compose_variants_probe.py --csv "$R/compose_variants.csv"
+fi
 if [[ $PARTS == *,compiled_step,* ]]; then
   for impl in ${COMPILED_IMPLS:-peft_lora_bf16 doracheck_bf16 old:doracheck_bf16 peft_dora_bf16}; do
     if [[ $impl == old:* ]]; then
@@ -239,6 +244,7 @@ grep -h -E "^(new|old) " "$R/rowdot_new.log" "$R/rowdot_old.log" 2>/dev/null
 grep -v -E "^(DEBUG|WARNING|INFO)" "$R/rowdot_tiles.log" 2>/dev/null | tail -n 45
 grep -v -E "^(DEBUG|WARNING|INFO)" "$R/normpath.log" 2>/dev/null | tail -n 50
 for f in normpath_bf16 normpath_bf16_old normpath_fp32; do [[ -f $R/$f.log ]] && { echo "$f"; grep -E "^(row_dot|cublas)" "$R/$f.log"; }; done
+[[ -f $R/compose_variants.log ]] && { echo compose_variants; cut -c1-140 "$R/compose_variants.log"; }
 for f in fusedpass fusedpass_old; do [[ -f $R/$f.log ]] && { echo "$f"; grep -E "shipped|floor" "$R/$f.log" | cut -c1-120; }; done
 for f in "$R"/compiled_step*.csv "$R"/fp32_step*.csv; do [[ -f $f ]] && { echo "$(basename "$f")"; cat "$f"; }; done
 for f in "$R"/decode_compiled_*.log; do [[ -f $f ]] && { echo "$(basename "$f")"; tail -n 4 "$f"; }; done

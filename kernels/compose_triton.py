@@ -8,6 +8,13 @@ all in fp32 registers, rounded once to the output dtype (docs/design.md section 
 ``base`` (each element is read before it is written, by the same program). Optionally it
 also writes z_d = base_d + s·lora (needed by the backward when dropout is active).
 
+``_lora_up_compose_tma_kernel`` (forward, Hopper and later): the same compose without dropout or
+z, persistent (one program per SM walking the tiles in grouped order, the loop over tiles
+flattened so the next tile's loads are issued during this one's epilogue), xa, B, base and y
+through TMA descriptors, 128×256 tiles with the epilogue in two 128-column halves. Taken where
+``settings.compose_tma_config`` measured it faster (large T and r) and every operand suits TMA
+(16-bit, last stride 1, 16-byte aligned rows and base); the same fp32 expression per element.
+
 ``_grad_scale_dm_kernel`` (backward): one pass over dy giving dz = g⊙dy (output dtype) and
 fp32 partial sums over token blocks of dy⊙(y - b) (from the saved output) or of dy⊙z (from
 a saved z); the partials (n_token_blocks, d_out) are summed afterwards in a fixed order, so
@@ -21,10 +28,11 @@ import contextlib
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import fast_launch
 from .constants import EPS
-from .settings import compose_config, grad_config
+from .settings import compose_config, compose_tma_config, grad_config
 from .tracing import tracing
 from .triton_common import cdiv, dot_acc, interpreting, launcher, round_to, unused_pointer
 
@@ -89,6 +97,75 @@ def _lora_up_compose_kernel(
     tl.store(y_ptr + rows[:, None] * stride_yt + cols[None, :] * stride_yd, round_to(y, y_ptr.dtype.element_ty, INTERPRET), mask=mask)
     if WRITE_Z:
         tl.store(z_ptr + rows[:, None] * stride_zt + cols[None, :] * stride_zd, round_to(z, z_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+
+@triton.jit
+def _tile_of(tile, n_m, n_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of the tile-th tile in grouped order: GROUP_M row blocks share B's tiles in L2."""
+    group = GROUP_M * n_n
+    first_m = (tile // group) * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    return first_m + (tile % group) % size_m, (tile % group) // size_m
+
+
+@triton.jit
+def _tma_compose_half(
+    y_desc, base_desc, g_ptr, bias_ptr, nsafe_ptr, acc, m0, n0, d_out, s,
+    HAS_BIAS: tl.constexpr, BASE_HAS_BIAS: tl.constexpr, G_FROM_M: tl.constexpr, INTERPRET: tl.constexpr,
+    HALF_N: tl.constexpr,
+):
+    """y[m0:, n0:n0+HALF_N] = b + g⊙(base - b·BASE_HAS_BIAS + s·acc), fp32, rounded once (the
+    pointer kernel's expression, in its order). Rows and columns beyond T and d_out: TMA reads
+    zeros there and drops the stores."""
+    cols = n0 + tl.arange(0, HALF_N)
+    col_ok = cols < d_out
+    g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if G_FROM_M:  # g = m / max(n, eps), correctly rounded: bitwise torch's division
+        g = tl.math.div_rn(g, tl.load(nsafe_ptr + cols, mask=col_ok, other=1.0).to(tl.float32))
+    base = base_desc.load([m0, n0]).to(tl.float32)
+    if BASE_HAS_BIAS:
+        base -= tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    z = base + s * acc
+    y = g[None, :] * z
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y_desc.store([m0, n0], round_to(y, y_desc.dtype, INTERPRET))
+
+
+@triton.jit
+def _lora_up_compose_tma_kernel(
+    y_desc,  # out: (T, d_out), block (BLOCK_M, BLOCK_N / 2); may alias base
+    base_desc,  # x·Wᵀ (T, d_out), block (BLOCK_M, BLOCK_N / 2)
+    xa_desc,  # x·Aᵀ (T, r), block (BLOCK_M, BLOCK_K)
+    lb_desc,  # B (d_out, r), block (BLOCK_N, BLOCK_K)
+    g_ptr, bias_ptr,  # g fp32 (d_out,) (the magnitude m with G_FROM_M), bias (d_out,)
+    nsafe_ptr,  # max(n, eps) fp32 (d_out,), read only with G_FROM_M
+    T, d_out, r, scaling,
+    HAS_BIAS: tl.constexpr, BASE_HAS_BIAS: tl.constexpr, G_FROM_M: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+):
+    """y = b + g⊙(base + s·xa·Bᵀ) over tiles tile = program_id, program_id + PROGRAMS, ...; the
+    GEMM in fp32 (16-bit operands), the compose in fp32 registers, one rounding to y's dtype."""
+    n_m = tl.cdiv(T, BLOCK_M)
+    n_n = tl.cdiv(d_out, BLOCK_N)
+    k_tiles = tl.cdiv(r, BLOCK_K)
+    s = tl.cast(scaling, tl.float32)
+    for tile in tl.range(tl.program_id(0), n_m * n_n, PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile_of(tile, n_m, n_n, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            xa = xa_desc.load([m0, ki * BLOCK_K])
+            lb = lb_desc.load([n0, ki * BLOCK_K])
+            acc = dot_acc(xa, tl.trans(lb), acc, INTERPRET, "ieee")
+        # two column halves: half the epilogue's registers live at a time (measured faster at 128×256)
+        acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        _tma_compose_half(y_desc, base_desc, g_ptr, bias_ptr, nsafe_ptr, acc0, m0, n0, d_out, s,
+                          HAS_BIAS, BASE_HAS_BIAS, G_FROM_M, INTERPRET, BLOCK_N // 2)
+        _tma_compose_half(y_desc, base_desc, g_ptr, bias_ptr, nsafe_ptr, acc1, m0, n0 + BLOCK_N // 2, d_out, s,
+                          HAS_BIAS, BASE_HAS_BIAS, G_FROM_M, INTERPRET, BLOCK_N // 2)
 
 
 @triton.jit
@@ -162,16 +239,22 @@ def lora_up_compose_triton(
 
 
 def _compose(base, xa, lora_B, g, scaling, bias, base_dropped, out, z_out, base_has_bias, n_safe):
-    """(y, the ``fast_launch.Entry`` launched through or kept or None, the grid) for ``lora_up_compose_triton``."""
+    """(y, the ``fast_launch.Entry`` of the pointer kernel launched through or kept or None, the grid)
+    for ``lora_up_compose_triton``."""
     T, d_out = base.shape
     r = xa.shape[1]
     y = out if out is not None else torch.empty_like(base)
     if T == 0 or d_out == 0:
         return y, None, None
+    traced = tracing()
+    if base_dropped is None and z_out is None and not traced:
+        tma_cfg = _tma_config(y, base, xa, lora_B, T, d_out, r)
+        if tma_cfg is not None:
+            _compose_tma(tma_cfg, y, base, xa, lora_B, g, scaling, bias, base_has_bias, n_safe)
+            return y, None, None
     cfg = compose_config(T, d_out, r)
     dot_dtype = _TL_DTYPE[xa.dtype]
     grid = (cdiv(T, cfg.block_m) * cdiv(d_out, cfg.block_n),)
-    traced = tracing()
     bd = base_dropped if base_dropped is not None else unused_pointer(base, traced)
     z = z_out if z_out is not None else unused_pointer(y, traced)
     args = (
@@ -197,6 +280,62 @@ def _compose(base, xa, lora_B, g, scaling, bias, base_dropped, out, z_out, base_
         return y, None, grid
     # eager on a GPU: decode launches this once per layer and token (kernels/fast_launch.py)
     return y, fast_launch.launch(_lora_up_compose_kernel, grid, args, constexprs, options), grid
+
+
+_TMA_DTYPES = (torch.bfloat16, torch.float16)
+_SM_COUNT: dict[int, int] = {}
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """A 2-D tensor a TMA descriptor can address: last stride 1, rows and base 16-byte aligned."""
+    return t.stride(1) == 1 and not (t.stride(0) * t.element_size()) & 15 and not t.data_ptr() & 15
+
+
+def _sm_count(device: int) -> int:
+    if device < 0:  # the interpreter on CPU tensors: a few programs, so each walks several tiles
+        return 3
+    n = _SM_COUNT.get(device)
+    if n is None:
+        n = _SM_COUNT[device] = (torch.cuda.get_device_properties(device).multi_processor_count
+                                 if torch.cuda.get_device_capability(device)[0] >= 9 else 0)
+    return n
+
+
+def _tma_config(y, base, xa, lora_B, T, d_out, r):
+    """The TMA compose's config where it applies (eager; Hopper or later, or the interpreter; 16-bit
+    operands of one dtype each side; TMA-addressable; a shape ``settings.compose_tma_config`` takes),
+    else None (the pointer kernel)."""
+    if (xa.dtype not in _TMA_DTYPES or lora_B.dtype != xa.dtype or base.dtype not in _TMA_DTYPES
+            or y.dtype != base.dtype):
+        return None
+    sms = _sm_count(base.get_device())
+    if not sms or not (_tma_ready(y) and _tma_ready(base) and _tma_ready(xa) and _tma_ready(lora_B)):
+        return None
+    return compose_tma_config(T, d_out, r, sms)
+
+
+def _compose_tma(cfg, y, base, xa, lora_B, g, scaling, bias, base_has_bias, n_safe) -> None:
+    T, d_out = base.shape
+    half = cfg.block_n // 2
+    args = (
+        TensorDescriptor(y, [T, d_out], [y.stride(0), 1], [cfg.block_m, half]),
+        TensorDescriptor(base, [T, d_out], [base.stride(0), 1], [cfg.block_m, half]),
+        TensorDescriptor(xa, [T, xa.shape[1]], [xa.stride(0), 1], [cfg.block_m, cfg.block_k]),
+        TensorDescriptor(lora_B, [d_out, lora_B.shape[1]], [lora_B.stride(0), 1], [cfg.block_n, cfg.block_k]),
+        g, bias if bias is not None else g, n_safe if n_safe is not None else g,
+        T, d_out, xa.shape[1], float(scaling),
+    )
+    constexprs = dict(
+        HAS_BIAS=bias is not None, BASE_HAS_BIAS=base_has_bias and bias is not None, G_FROM_M=n_safe is not None,
+        INTERPRET=interpreting(), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        PROGRAMS=cfg.programs,
+    )
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    grid = (cfg.programs,)
+    if interpreting():
+        _lora_up_compose_tma_kernel[grid](*args, **constexprs, **options)
+    else:  # eager on a GPU: the descriptors are keyed like tensors (kernels/fast_launch.py)
+        fast_launch.launch(_lora_up_compose_tma_kernel, grid, args, constexprs, options)
 
 
 class InferCompose:

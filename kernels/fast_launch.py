@@ -19,6 +19,12 @@ differ from it: while torch.compile traces, under the interpreter, with a launch
 profiler such as proton added calls to Triton's launch hooks), a stage-inspection hook or a
 kernel pre-run hook, for an argument of another type, or when a pointer is not 16-byte
 aligned (a rare offset view; Triton specialises on it).
+
+A host TMA descriptor (``triton.tools.tensor_descriptor.TensorDescriptor``, the compose's
+``_lora_up_compose_tma_kernel``) is keyed by everything it holds but its tensor's address: the
+tensor's dtype and every other field (shape, strides, block shape, padding, ...), which is all Triton can
+specialise a descriptor on (a superset of its key), and its address joins the alignment test. The
+launcher encodes the descriptor itself at every launch, in both paths.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 from triton import knobs
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .tracing import tracing
 from .triton_common import interpreting
@@ -80,11 +87,24 @@ def _key(args: tuple, constexprs: dict, options: dict) -> tuple | None:
             pointers |= a.data_ptr()
             if device is None:
                 device = a.get_device()
+        elif kind is TensorDescriptor:
+            t = a.base
+            parts.append((kind, t.dtype, *_descriptor_fields(a)))
+            pointers |= t.data_ptr()
+            if device is None:
+                device = t.get_device()
         else:
             return None
     if pointers & 15 or device is None:
         return None
     return (device, *parts, *constexprs.items(), *options.items(), _settings())
+
+
+def _descriptor_fields(desc: TensorDescriptor) -> tuple:
+    """Every field of a descriptor but its tensor, as hashable values: the fields differ between
+    Triton versions (3.9 added ``round_f32_to_tf32``), so they are read from the dataclass."""
+    return tuple((name, tuple(v) if isinstance(v, list) else v)
+                 for name in desc.__dataclass_fields__ if name != "base" for v in (getattr(desc, name),))
 
 
 def launch(kernel, grid: tuple, args: tuple, constexprs: dict, options: dict):

@@ -73,6 +73,19 @@ class ComposeConfig(NamedTuple):
     num_stages: int
 
 
+class ComposeTmaConfig(NamedTuple):
+    """The persistent compose over TMA descriptors (``compose_triton._lora_up_compose_tma_kernel``):
+    tiles, at most ``programs`` programs walking them, the epilogue in two column halves."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    programs: int
+
+
 class GradConfig(NamedTuple):
     block_t: int
     block_d: int
@@ -196,6 +209,33 @@ def compose_config(T: int, d_out: int, r: int) -> ComposeConfig:
         # xa·Bᵀ + add (LoRA's two kernels) 4.0-5.6. At T = 64 it loses at d_out 14336 (8.2 against 5.3).
         return ComposeConfig(16, 64, block_k, 8, 4, 3)
     return ComposeConfig(64, 128, block_k, 8, 4, 3)
+
+
+# The persistent TMA compose replaces the pointer kernel where it was measured faster: H200, bf16,
+# CUDA-graph replays (benchmarks/compose_variants_probe.py, 2026-12-02,
+# results/compose_variants_seventeenth{,_b}_h200.csv; y bitwise the pointer kernel's everywhere),
+# µs pointer kernel (64×128×64) -> persistent TMA 128×256×64, 8 warps, 3 stages, flattened loop
+# over tiles, epilogue in two 128-column halves, one program per SM, at r = 384:
+# T 4096 × d_out 8192: 93.7 -> 75.4; × 14336: 170.7 -> 130.4; × 4096: 48.4 -> 39.2;
+# × 1024: 12.5 -> 9.8; T 1024 × 4096: 12.5 -> 9.9. Slower with too few tiles to fill the SMs
+# (T 512 × 4096, 64 tiles: 7.1 -> 8.9; T 256 × 1024: 4.9 -> 8.7) and at r = 16 (T 4096 × 4096:
+# 22.6 -> 29.5), where the epilogue is all of the work. Not measured between r 16 and 384: the
+# threshold below sits at 128. Other TMA tiles: 2 stages 89.9, 256×128 76.8, 64×128 (1 or 2
+# programs per SM) 81.2-135.7; 4 stages or 128-wide K exceed the shared memory. Pointer loads
+# with the same persistent 128×256 structure: 81.6-83.3 (results/compose_variants_seventeenth_b_h200.csv).
+COMPOSE_TMA_MIN_TILES = 128
+COMPOSE_TMA_MIN_RANK = 128
+
+
+def compose_tma_config(T: int, d_out: int, r: int, sm_count: int) -> ComposeTmaConfig | None:
+    """The TMA compose's config for this shape, or None where the pointer kernel is faster (or
+    unmeasured). Under the interpreter a small config at every shape (so CI runs the kernel)."""
+    if _interpreting():
+        return ComposeTmaConfig(16, 32, 16, 2, 4, 1, 3) if T > 16 else None
+    tiles = -(-T // 128) * -(-d_out // 256)
+    if T <= 16 or r < COMPOSE_TMA_MIN_RANK or tiles < COMPOSE_TMA_MIN_TILES:
+        return None
+    return ComposeTmaConfig(128, 256, _pow2_at_least(r, 16, 64), 8, 8, 3, min(tiles, sm_count))
 
 
 def grad_config(T: int, d_out: int) -> GradConfig:

@@ -128,3 +128,40 @@ def test_traced_or_interpreted_launches_are_refused(monkeypatch):
     monkeypatch.setattr(fast_launch, "interpreting", lambda: True)
     with pytest.raises(RuntimeError, match="eager GPU launches only"):
         fast_launch.launch(_Kernel(), (1,), _args(torch.zeros(2, 2)), {}, {})
+
+
+def _desc(t, block=(2, 8)):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
+
+
+def test_a_descriptor_with_the_same_fields_launches_directly_and_its_own_object():
+    """The compose's TMA descriptors: a new descriptor object of the same tensor layout (each call
+    makes its own) hits the kept kernel, and the launch gets that new object."""
+    kernel, x, y = _Kernel(), torch.zeros(4, 8), torch.zeros(4, 8)
+    fast_launch.launch(kernel, (3,), (_desc(x), 5), {}, {})
+    second = _desc(y)
+    fast_launch.launch(kernel, (3,), (second, 5), {}, {})
+    assert len(kernel.slow) == 1
+    (launch,) = kernel.compiled.launches
+    assert launch[9] is second and launch[10] == 5
+
+
+@pytest.mark.parametrize("change", ["shape", "strides", "block", "dtype", "misaligned"])
+def test_a_descriptor_that_differs_in_anything_but_its_address_goes_through_triton(change):
+    kernel, x = _Kernel(), torch.zeros(4, 8)
+    fast_launch.launch(kernel, (3,), (_desc(x),), {}, {})
+    if change == "shape":
+        other = _desc(torch.zeros(6, 8))
+    elif change == "strides":
+        other = _desc(torch.zeros(4, 16)[:, :8])
+    elif change == "block":
+        other = _desc(x, (4, 8))
+    elif change == "dtype":
+        other = _desc(torch.zeros(4, 8, dtype=torch.float64))
+    else:  # a descriptor's own check refuses a misaligned base; the key must not rely on that
+        other = _desc(x)
+        other.base = x.view(-1)[1:]
+    fast_launch.launch(kernel, (3,), (other,), {}, {})
+    assert len(kernel.slow) == 2 and not kernel.compiled.launches

@@ -151,6 +151,56 @@ def test_compose_kernel_is_the_stable_compose_rounded_once():
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("bias,base_has_bias,g_from_m,in_place", [
+    (False, False, False, False), (True, False, False, True), (True, True, True, False), (False, False, True, True),
+])
+def test_tma_compose_is_the_pointer_kernel_bitwise(bias, base_has_bias, g_from_m, in_place, monkeypatch):
+    """The persistent TMA compose (taken for TMA-addressable 16-bit operands at T > 16) gives the
+    pointer kernel's y bitwise: b + g·(base - b·base_has_bias + s·lora) in fp32, rounded once;
+    with g formed from m / max(n, eps) in the kernel, in place, and over several tiles per program."""
+    gen = torch.Generator().manual_seed(7)
+    T, d_out, r = 50, 72, 24  # 4 × 3 tiles of 16 × 32 walked by 3 programs; the last ones ragged
+    base = torch.randn(T, d_out, generator=gen).bfloat16()
+    xa = torch.randn(T, r, generator=gen).bfloat16()
+    B = (0.2 * torch.randn(d_out, r, generator=gen)).bfloat16()
+    m = torch.rand(d_out, generator=gen) + 0.5
+    n_safe = torch.rand(d_out, generator=gen) + 0.5
+    b = torch.randn(d_out, generator=gen).bfloat16() if bias else None
+    g = m if g_from_m else torch.div(m, n_safe)
+    assert compose_triton._tma_config(base, base, xa, B, T, d_out, r) is not None
+    launched = []
+    tma = compose_triton._compose_tma
+    monkeypatch.setattr(compose_triton, "_compose_tma", lambda *a: launched.append(1) or tma(*a))
+
+    def run(b2):
+        return compose_triton.lora_up_compose_triton(b2, xa, B, g, 1.5, b, out=b2 if in_place else None,
+                                                     base_has_bias=base_has_bias, n_safe=n_safe if g_from_m else None)
+
+    y = run(base.clone())
+    assert launched == [1]
+    monkeypatch.setattr(compose_triton, "_tma_config", lambda *a: None)
+    want = run(base.clone())
+    assert launched == [1] and torch.equal(y, want)
+    gf = torch.div(m, n_safe) if g_from_m else g
+    bf = b.float() if b is not None else 0.0
+    plain = base.float() - (bf if base_has_bias else 0.0)
+    assert torch.equal(y, (gf * (plain + 1.5 * (xa.float() @ B.float().t())) + bf).bfloat16())
+
+
+@pytest.mark.interpreter
+def test_the_pointer_kernel_takes_what_tma_cannot_address():
+    """Rows not 16-byte aligned, fp32 adapters, T <= 16: the pointer kernel (no TMA config)."""
+    gen = torch.Generator().manual_seed(8)
+    base, xa, B = torch.randn(40, 37, generator=gen).bfloat16(), torch.randn(40, 8).bfloat16(), torch.randn(37, 8).bfloat16()
+    assert compose_triton._tma_config(base, base, xa, B, 40, 37, 8) is None  # 74-byte rows
+    base = torch.randn(40, 48, generator=gen).bfloat16()
+    B = torch.randn(48, 8).bfloat16()
+    assert compose_triton._tma_config(base, base, xa, B, 40, 48, 8) is not None
+    assert compose_triton._tma_config(base, base, xa.float(), B.float(), 40, 48, 8) is None
+    assert compose_triton._tma_config(base[:16], base[:16], xa[:16], B, 16, 48, 8) is None
+
+
+@pytest.mark.interpreter
 def test_grad_kernel_dz_and_dm_partials():
     gen = torch.Generator().manual_seed(6)
     T, d_out = 45, 37
