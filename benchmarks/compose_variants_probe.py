@@ -6,7 +6,9 @@ element-wise pass at 34. Counting says what a fused kernel could reach there: th
 (33 µs at 784 TFLOP/s), the epilogue moves 128 MiB (base read, y written: 32 µs at 4.2 TB/s), so
 with the two overlapped about 40-50 µs. This probe times kernels that differ in structure:
 
-- ``shipped``: the library's kernel and config (the reference output);
+- ``pointer``: the pointer kernel ``_lora_up_compose_kernel`` at its shipped tiles (the reference
+  output; in the first two runs, before the TMA compose shipped, this row was called ``shipped``);
+- ``shipped``: ``lora_up_compose_triton`` as the library launches it now (TMA where it applies);
 - ``early``: the same tiles, the epilogue's base, g loads issued before the K loop, so their latency
   hides behind the MMAs (first run only);
 - ``persist``: persistent like ``tma`` but with pointer loads (no descriptors, so no alignment
@@ -20,6 +22,7 @@ All compute y = g⊙(base + s·xa·Bᵀ) in fp32, rounded once to bf16, no bias 
 compose). For each: GPU µs from CUDA-graph replays (median, q20, q80), GB/s of the 128 MiB the
 epilogue must move, and the largest difference from the shipped kernel's y in bf16 ulps (the GEMM's
 summation order may differ between tile shapes; the compose itself is the same fp32 expression).
+The first two runs' ``shipped`` rows are the pointer kernel (the library before the TMA compose).
 
     python benchmarks/compose_variants_probe.py [--csv out.csv]
 """
@@ -31,6 +34,7 @@ import argparse
 import torch
 import triton
 import triton.language as tl
+from fused_pass_probe import timed
 from row_csv import RowWriter
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -73,14 +77,6 @@ def _early_kernel(y_ptr, base_ptr, xa_ptr, lb_ptr, g_ptr, T, d_out, r, scaling,
 
 
 @triton.jit
-def _tile_ids(tile, n_m, n_n, GROUP_M: tl.constexpr):
-    group = GROUP_M * n_n
-    first_m = (tile // group) * GROUP_M
-    size_m = tl.minimum(n_m - first_m, GROUP_M)
-    return first_m + (tile % group) % size_m, (tile % group) // size_m
-
-
-@triton.jit
 def _compose_half(y_desc, base_desc, g_ptr, acc, m0, n0, d_out, s, BLOCK_N: tl.constexpr):
     cols = n0 + tl.arange(0, BLOCK_N)
     g = tl.load(g_ptr + cols, mask=cols < d_out, other=0.0)
@@ -100,7 +96,7 @@ def _tma_kernel(y_desc, base_desc, xa_desc, lb_desc, g_ptr, T, d_out, r, scaling
     k_tiles = tl.cdiv(r, BLOCK_K)
     s = tl.cast(scaling, tl.float32)
     for tile in tl.range(start, n_m * n_n, PROGRAMS, flatten=FLATTEN):
-        pid_m, pid_n = _tile_ids(tile, n_m, n_n, GROUP_M)
+        pid_m, pid_n = ct._tile_of(tile, n_m, n_n, GROUP_M)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -141,7 +137,7 @@ def _persist_kernel(y_ptr, base_ptr, xa_ptr, lb_ptr, g_ptr, T, d_out, r, scaling
     s = tl.cast(scaling, tl.float32)
     kk = tl.arange(0, BLOCK_K)
     for tile in tl.range(start, n_m * n_n, PROGRAMS, flatten=FLATTEN):
-        pid_m, pid_n = _tile_ids(tile, n_m, n_n, GROUP_M)
+        pid_m, pid_n = ct._tile_of(tile, n_m, n_n, GROUP_M)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
         rows = m0 + tl.arange(0, BLOCK_M)
@@ -210,11 +206,6 @@ VARIANTS = [
 ]
 
 
-def timed(fn):
-    med, lo, hi = triton.testing.do_bench_cudagraph(fn, rep=100, quantiles=[0.5, 0.2, 0.8])
-    return med * 1e3, lo * 1e3, hi * 1e3
-
-
 def ulps(got: torch.Tensor, want: torch.Tensor) -> float:
     """Largest |got - want| in units of bf16's ulp at |want| (2^(e-7))."""
     w = want.float()
@@ -248,9 +239,21 @@ def main() -> int:
         nbytes = 2 * T * d_out * 2
         report(shape, "floor", "cuBLAS xa@B.T bf16 out", timed(lambda: torch.mm(xa, B.t(), out=y)), nbytes, "")
         report(shape, "floor", "mul(base, base) 2 reads 1 write", timed(lambda: torch.mul(base, base, out=y)), nbytes, "")
-        want = ct.lora_up_compose_triton(base, xa, B, g, 2.0).clone()
-        report(shape, "shipped", str(tuple(ct.compose_config(T, d_out, r))),
-               timed(lambda: ct.lora_up_compose_triton(base, xa, B, g, 2.0, out=y)), nbytes, 0.0)
+        # The reference: the pointer kernel at its shipped tiles (the TMA compose set aside where the
+        # library has it), then the shipped launch as it is (TMA where settings take it).
+        tma_config = getattr(ct, "_tma_config", None)
+        if tma_config is not None:
+            ct._tma_config = lambda *a_: None
+        try:
+            want = ct.lora_up_compose_triton(base, xa, B, g, 2.0).clone()
+            report(shape, "pointer", str(tuple(ct.compose_config(T, d_out, r))),
+                   timed(lambda: ct.lora_up_compose_triton(base, xa, B, g, 2.0, out=y)), nbytes, 0.0)
+        finally:
+            if tma_config is not None:
+                ct._tma_config = tma_config
+        shipped = ct.lora_up_compose_triton(base, xa, B, g, 2.0)
+        report(shape, "shipped", "launch as shipped", timed(lambda: ct.lora_up_compose_triton(base, xa, B, g, 2.0, out=y)),
+               nbytes, round(ulps(shipped, want), 3))
         for name, fn, cfg in VARIANTS:
             try:
                 y.zero_()

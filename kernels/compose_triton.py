@@ -292,6 +292,8 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 
 def _sm_count(device: int) -> int:
+    """Programs of the persistent compose: the SMs of ``device`` on Hopper or later, 0 before it
+    (no TMA)."""
     if device < 0:  # the interpreter on CPU tensors: a few programs, so each walks several tiles
         return 3
     n = _SM_COUNT.get(device)
@@ -308,15 +310,15 @@ def _tma_config(y, base, xa, lora_B, T, d_out, r):
     if (xa.dtype not in _TMA_DTYPES or lora_B.dtype != xa.dtype or base.dtype not in _TMA_DTYPES
             or y.dtype != base.dtype):
         return None
-    sms = _sm_count(base.get_device())
-    if not sms or not (_tma_ready(y) and _tma_ready(base) and _tma_ready(xa) and _tma_ready(lora_B)):
+    if not _sm_count(base.get_device()) or not (_tma_ready(y) and _tma_ready(base) and _tma_ready(xa) and _tma_ready(lora_B)):
         return None
-    return compose_tma_config(T, d_out, r, sms)
+    return compose_tma_config(T, d_out, r)
 
 
 def _compose_tma(cfg, y, base, xa, lora_B, g, scaling, bias, base_has_bias, n_safe) -> None:
     T, d_out = base.shape
     half = cfg.block_n // 2
+    programs = min(cdiv(T, cfg.block_m) * cdiv(d_out, cfg.block_n), _sm_count(base.get_device()))
     args = (
         TensorDescriptor(y, [T, d_out], [y.stride(0), 1], [cfg.block_m, half]),
         TensorDescriptor(base, [T, d_out], [base.stride(0), 1], [cfg.block_m, half]),
@@ -328,10 +330,10 @@ def _compose_tma(cfg, y, base, xa, lora_B, g, scaling, bias, base_has_bias, n_sa
     constexprs = dict(
         HAS_BIAS=bias is not None, BASE_HAS_BIAS=base_has_bias and bias is not None, G_FROM_M=n_safe is not None,
         INTERPRET=interpreting(), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        PROGRAMS=cfg.programs,
+        PROGRAMS=programs,
     )
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    grid = (cfg.programs,)
+    grid = (programs,)
     if interpreting():
         _lora_up_compose_tma_kernel[grid](*args, **constexprs, **options)
     else:  # eager on a GPU: the descriptors are keyed like tensors (kernels/fast_launch.py)

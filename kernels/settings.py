@@ -73,19 +73,6 @@ class ComposeConfig(NamedTuple):
     num_stages: int
 
 
-class ComposeTmaConfig(NamedTuple):
-    """The persistent compose over TMA descriptors (``compose_triton._lora_up_compose_tma_kernel``):
-    tiles, at most ``programs`` programs walking them, the epilogue in two column halves."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int
-    num_warps: int
-    num_stages: int
-    programs: int
-
-
 class GradConfig(NamedTuple):
     block_t: int
     block_d: int
@@ -227,15 +214,17 @@ COMPOSE_TMA_MIN_TILES = 128
 COMPOSE_TMA_MIN_RANK = 128
 
 
-def compose_tma_config(T: int, d_out: int, r: int, sm_count: int) -> ComposeTmaConfig | None:
-    """The TMA compose's config for this shape, or None where the pointer kernel is faster (or
-    unmeasured). Under the interpreter a small config at every shape (so CI runs the kernel)."""
+def compose_tma_config(T: int, d_out: int, r: int) -> ComposeConfig | None:
+    """The persistent TMA compose's tiles for this shape (``compose_triton._lora_up_compose_tma_kernel``:
+    at most one program per SM walks them, the epilogue in two column halves), or None where the
+    pointer kernel is faster (or unmeasured). Under the interpreter small tiles at every T > 16
+    (so CI runs the kernel)."""
     if _interpreting():
-        return ComposeTmaConfig(16, 32, 16, 2, 4, 1, 3) if T > 16 else None
+        return ComposeConfig(16, 32, 16, 2, 4, 1) if T > 16 else None
     tiles = -(-T // 128) * -(-d_out // 256)
     if T <= 16 or r < COMPOSE_TMA_MIN_RANK or tiles < COMPOSE_TMA_MIN_TILES:
         return None
-    return ComposeTmaConfig(128, 256, _pow2_at_least(r, 16, 64), 8, 8, 3, min(tiles, sm_count))
+    return ComposeConfig(128, 256, _pow2_at_least(r, 16, 64), 8, 8, 3)
 
 
 def grad_config(T: int, d_out: int) -> GradConfig:
