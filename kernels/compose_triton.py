@@ -145,8 +145,12 @@ def _lora_up_compose_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PROGRAMS: tl.constexpr,
 ):
-    """y = b + g⊙(base + s·xa·Bᵀ) over tiles tile = program_id, program_id + PROGRAMS, ...; the
-    GEMM in fp32 (16-bit operands), the compose in fp32 registers, one rounding to y's dtype."""
+    """y = b + g⊙(base + s·xa·Bᵀ) over tiles tile = program_id, program_id + PROGRAMS, ...; with
+    BASE_HAS_BIAS (base holds x·Wᵀ + b) y = b + g⊙(base - b + s·xa·Bᵀ); with G_FROM_M, g = m /
+    max(n, eps) formed here. The GEMM in fp32 (16-bit operands), the compose in fp32 registers, one
+    rounding to y's dtype. PROGRAMS = min(tiles, SMs) is a constexpr (as in Triton's persistent
+    matmul tutorial): tile counts below the SM count compile their own variant, which only shapes
+    of 128-131 tiles reach on an H200."""
     n_m = tl.cdiv(T, BLOCK_M)
     n_n = tl.cdiv(d_out, BLOCK_N)
     k_tiles = tl.cdiv(r, BLOCK_K)
@@ -287,20 +291,30 @@ _SM_COUNT: dict[int, int] = {}
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
-    """A 2-D tensor a TMA descriptor can address: last stride 1, rows and base 16-byte aligned."""
-    return t.stride(1) == 1 and not (t.stride(0) * t.element_size()) & 15 and not t.data_ptr() & 15
+    """A non-empty 2-D tensor a TMA descriptor can address: last stride 1, rows and base 16-byte aligned."""
+    return (t.numel() > 0 and t.stride(1) == 1 and not (t.stride(0) * t.element_size()) & 15
+            and not t.data_ptr() & 15)
 
 
 def _sm_count(device: int) -> int:
-    """Programs of the persistent compose: the SMs of ``device`` on Hopper or later, 0 before it
-    (no TMA)."""
+    """Programs of the persistent compose: the SMs of ``device`` where the TMA compose was measured
+    (Hopper, compute capability 9.x), else 0 (the pointer kernel). Its 128×256 tiles need about
+    213 KB of shared memory: consumer Blackwell (12.x, about 101 KB a block) cannot run them, and
+    data-centre Blackwell (10.x) is neither timed nor tested."""
     if device < 0:  # the interpreter on CPU tensors: a few programs, so each walks several tiles
         return 3
     n = _SM_COUNT.get(device)
     if n is None:
         n = _SM_COUNT[device] = (torch.cuda.get_device_properties(device).multi_processor_count
-                                 if torch.cuda.get_device_capability(device)[0] >= 9 else 0)
+                                 if torch.cuda.get_device_capability(device)[0] == 9 else 0)
     return n
+
+
+def tma_compose_available(device: torch.device | int) -> bool:
+    """Whether the persistent TMA compose can be taken on ``device`` (a CUDA device of compute
+    capability 9.x; see ``_sm_count``): for callers and tests that must know which kernel ran."""
+    index = device if isinstance(device, int) else (device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(index) > 0
 
 
 def _tma_config(y, base, xa, lora_B, T, d_out, r):

@@ -210,19 +210,21 @@ def compose_config(T: int, d_out: int, r: int) -> ComposeConfig:
 # threshold below sits at 128. Other TMA tiles: 2 stages 89.9, 256×128 76.8, 64×128 (1 or 2
 # programs per SM) 81.2-135.7; 4 stages or 128-wide K exceed the shared memory. Pointer loads
 # with the same persistent 128×256 structure: 81.6-83.3 (results/compose_variants_seventeenth_b_h200.csv).
+# T below 1024 (the smallest measured gain) with a d_out wide enough for 128 tiles is not measured.
 COMPOSE_TMA_MIN_TILES = 128
 COMPOSE_TMA_MIN_RANK = 128
+COMPOSE_TMA_MIN_TOKENS = 1024
 
 
 def compose_tma_config(T: int, d_out: int, r: int) -> ComposeConfig | None:
     """The persistent TMA compose's tiles for this shape (``compose_triton._lora_up_compose_tma_kernel``:
     at most one program per SM walks them, the epilogue in two column halves), or None where the
     pointer kernel is faster (or unmeasured). Under the interpreter small tiles at every T > 16
-    (so CI runs the kernel)."""
+    (so CI runs the kernel at small shapes)."""
     if _interpreting():
         return ComposeConfig(16, 32, 16, 2, 4, 1) if T > 16 else None
     tiles = -(-T // 128) * -(-d_out // 256)
-    if T <= 16 or r < COMPOSE_TMA_MIN_RANK or tiles < COMPOSE_TMA_MIN_TILES:
+    if T < COMPOSE_TMA_MIN_TOKENS or r < COMPOSE_TMA_MIN_RANK or tiles < COMPOSE_TMA_MIN_TILES:
         return None
     return ComposeConfig(128, 256, _pow2_at_least(r, 16, 64), 8, 8, 3)
 

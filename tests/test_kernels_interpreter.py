@@ -189,15 +189,31 @@ def test_tma_compose_is_the_pointer_kernel_bitwise(bias, base_has_bias, g_from_m
 
 @pytest.mark.interpreter
 def test_the_pointer_kernel_takes_what_tma_cannot_address():
-    """Rows not 16-byte aligned, fp32 adapters, T <= 16: the pointer kernel (no TMA config)."""
+    """Rows not 16-byte aligned, a base 2 bytes past an aligned address, a transposed B, fp32
+    adapters, r = 0, T <= 16: the pointer kernel (no TMA config). A base that is a view of a wider
+    tensor (aligned rows) is addressable, and the columns beside it stay untouched in place."""
     gen = torch.Generator().manual_seed(8)
     base, xa, B = torch.randn(40, 37, generator=gen).bfloat16(), torch.randn(40, 8).bfloat16(), torch.randn(37, 8).bfloat16()
     assert compose_triton._tma_config(base, base, xa, B, 40, 37, 8) is None  # 74-byte rows
     base = torch.randn(40, 48, generator=gen).bfloat16()
     B = torch.randn(48, 8).bfloat16()
     assert compose_triton._tma_config(base, base, xa, B, 40, 48, 8) is not None
+    odd = torch.empty(40 * 48 + 1, dtype=torch.bfloat16)[1:].view(40, 48)
+    assert compose_triton._tma_config(odd, odd, xa, B, 40, 48, 8) is None
+    B_t = torch.randn(8, 48).bfloat16().t()
+    assert compose_triton._tma_config(base, base, xa, B_t, 40, 48, 8) is None
     assert compose_triton._tma_config(base, base, xa.float(), B.float(), 40, 48, 8) is None
+    assert compose_triton._tma_config(base, base, xa[:, :0], B[:, :0], 40, 48, 0) is None
     assert compose_triton._tma_config(base[:16], base[:16], xa[:16], B, 16, 48, 8) is None
+    wide = torch.randn(40, 64, generator=gen).bfloat16()
+    view = wide[:, 8:56]
+    assert compose_triton._tma_config(view, view, xa, B, 40, 48, 8) is not None
+    g = torch.rand(48, generator=gen) + 0.5
+    want = (g * (view.float() + 0.3 * (xa.float() @ B.float().t()))).bfloat16()
+    before = wide.clone()
+    compose_triton.lora_up_compose_triton(view, xa, B, g, 0.3, out=view)
+    assert torch.equal(view, want)
+    assert torch.equal(wide[:, :8], before[:, :8]) and torch.equal(wide[:, 56:], before[:, 56:])
 
 
 @pytest.mark.interpreter
