@@ -48,14 +48,7 @@ SHAPES = [(4096, 8192, 384), (4096, 14336, 384), (4096, 4096, 384), (4096, 1024,
 def _early_kernel(y_ptr, base_ptr, xa_ptr, lb_ptr, g_ptr, T, d_out, r, scaling,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """y = g⊙(base + s·xa·Bᵀ), contiguous operands; the epilogue's loads issued before the K loop."""
-    pid = tl.program_id(0).to(tl.int64)
-    n_m = tl.cdiv(T, BLOCK_M)
-    n_n = tl.cdiv(d_out, BLOCK_N)
-    group = GROUP_M * n_n
-    first_m = (pid // group) * GROUP_M
-    size_m = tl.minimum(n_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % size_m
-    pid_n = (pid % group) // size_m
+    pid_m, pid_n = ct._tile_of(tl.program_id(0).to(tl.int64), tl.cdiv(T, BLOCK_M), tl.cdiv(d_out, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
