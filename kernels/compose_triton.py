@@ -304,9 +304,9 @@ def _sm_count(device: int) -> int:
     if device < 0:  # the interpreter on CPU tensors: a few programs, so each walks several tiles
         return 3
     n = _SM_COUNT.get(device)
-    if n is None:
+    if n is None:  # a ROCm build reports its GPUs' gfx major as the capability (9 for MI300): no TMA there
         n = _SM_COUNT[device] = (torch.cuda.get_device_properties(device).multi_processor_count
-                                 if torch.cuda.get_device_capability(device)[0] == 9 else 0)
+                                 if torch.version.hip is None and torch.cuda.get_device_capability(device)[0] == 9 else 0)
     return n
 
 

@@ -397,3 +397,18 @@ def test_torch_compile_matches_eager_on_the_triton_ops(with_bias, adapter_dtype)
         y_ei = f(*(t.detach() for t in leaves))
     assert torch.equal(y_ei, y_e.detach())
     assert rel_l2(y_ci, y_r) <= a_priori_bound(props_budget("forward", "y"), rho["y"], kappa)
+
+
+@pytest.mark.parametrize("capability,hip,taken", [
+    ((9, 0), None, True), ((8, 0), None, False), ((10, 0), None, False), ((12, 0), None, False), ((9, 4), "6.2", False),
+])
+def test_the_tma_compose_is_taken_on_hopper_only(capability, hip, taken, monkeypatch):
+    """Compute capability 9.x on CUDA only: its tiles need ~213 KB of shared memory (consumer
+    Blackwell has ~101 KB a block), data-centre Blackwell is unmeasured, and a ROCm build reports
+    an MI300 as major 9."""
+    monkeypatch.setattr(compose_triton, "_SM_COUNT", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: type("P", (), {"multi_processor_count": 132})())
+    monkeypatch.setattr(torch.version, "hip", hip)
+    assert compose_triton.tma_compose_available(0) is taken
+    assert compose_triton._sm_count(0) == (132 if taken else 0)
