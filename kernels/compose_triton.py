@@ -318,15 +318,17 @@ def tma_compose_available(device: torch.device | int) -> bool:
 
 
 def _tma_config(y, base, xa, lora_B, T, d_out, r):
-    """The TMA compose's config where it applies (eager; Hopper or later, or the interpreter; 16-bit
-    operands of one dtype each side; TMA-addressable; a shape ``settings.compose_tma_config`` takes),
-    else None (the pointer kernel)."""
-    if (xa.dtype not in _TMA_DTYPES or lora_B.dtype != xa.dtype or base.dtype not in _TMA_DTYPES
-            or y.dtype != base.dtype):
+    """The TMA compose's config where it applies (eager; a shape ``settings.compose_tma_config``
+    takes; Hopper, or the interpreter; 16-bit operands of one dtype each side; TMA-addressable), else
+    None (the pointer kernel). The shape is asked first: it is arithmetic, and it turns away the
+    host-bound small-T calls before the tensors are examined."""
+    cfg = compose_tma_config(T, d_out, r)
+    if cfg is None or (xa.dtype not in _TMA_DTYPES or lora_B.dtype != xa.dtype or base.dtype not in _TMA_DTYPES
+                       or y.dtype != base.dtype):
         return None
     if not _sm_count(base.get_device()) or not (_tma_ready(y) and _tma_ready(base) and _tma_ready(xa) and _tma_ready(lora_B)):
         return None
-    return compose_tma_config(T, d_out, r)
+    return cfg
 
 
 def _compose_tma(cfg, y, base, xa, lora_B, g, scaling, bias, base_has_bias, n_safe) -> None:
