@@ -8,7 +8,7 @@ all in fp32 registers, rounded once to the output dtype (docs/design.md section 
 ``base`` (each element is read before it is written, by the same program). Optionally it
 also writes z_d = base_d + s·lora (needed by the backward when dropout is active).
 
-``_lora_up_compose_tma_kernel`` (forward, Hopper and later): the same compose without dropout or
+``_lora_up_compose_tma_kernel`` (forward, Hopper: compute capability 9.x): the same compose without dropout or
 z, persistent (one program per SM walking the tiles in grouped order, the loop over tiles
 flattened so the next tile's loads are issued during this one's epilogue), xa, B, base and y
 through TMA descriptors, 128×256 tiles with the epilogue in two 128-column halves. Taken where
@@ -40,6 +40,15 @@ _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
 
 
 @triton.jit
+def _tile_of(tile, n_m, n_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of the tile-th tile in grouped order: GROUP_M row blocks share B's tiles in L2."""
+    group = GROUP_M * n_n
+    first_m = (tile // group) * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    return first_m + (tile % group) % size_m, (tile % group) // size_m
+
+
+@triton.jit
 def _lora_up_compose_kernel(
     y_ptr, stride_yt, stride_yd,  # out: (T, d_out), may alias base
     z_ptr, stride_zt, stride_zd,  # out (WRITE_Z): z_d = base_d + s·lora
@@ -58,12 +67,7 @@ def _lora_up_compose_kernel(
     pid = tl.program_id(0).to(tl.int64)
     n_m = tl.cdiv(T, BLOCK_M)
     n_n = tl.cdiv(d_out, BLOCK_N)
-    # Grouped ordering: GROUP_M row blocks share B column tiles in L2.
-    group = GROUP_M * n_n
-    first_m = (pid // group) * GROUP_M
-    size_m = tl.minimum(n_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % size_m
-    pid_n = (pid % group) // size_m
+    pid_m, pid_n = _tile_of(pid, n_m, n_n, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
@@ -97,15 +101,6 @@ def _lora_up_compose_kernel(
     tl.store(y_ptr + rows[:, None] * stride_yt + cols[None, :] * stride_yd, round_to(y, y_ptr.dtype.element_ty, INTERPRET), mask=mask)
     if WRITE_Z:
         tl.store(z_ptr + rows[:, None] * stride_zt + cols[None, :] * stride_zd, round_to(z, z_ptr.dtype.element_ty, INTERPRET), mask=mask)
-
-
-@triton.jit
-def _tile_of(tile, n_m, n_n, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of the tile-th tile in grouped order: GROUP_M row blocks share B's tiles in L2."""
-    group = GROUP_M * n_n
-    first_m = (tile // group) * GROUP_M
-    size_m = tl.minimum(n_m - first_m, GROUP_M)
-    return first_m + (tile % group) % size_m, (tile % group) // size_m
 
 
 @triton.jit
