@@ -46,6 +46,9 @@
 #   cublas_tests                 the cuBLAS norm path's GPU test, every weight and adapter dtype pair (sixteenth session)
 #   fusedpass, fusedpass_old     fused_pass_probe.py: compose and dz/dm tile sweeps with floors, this checkout / .old/
 #                                (FUSED_ONLY=compose or grad: one of the two)
+#   compile_time                 compile_time_probe.py: the compiled step's first call with empty Inductor and Triton caches,
+#                                one process per row (COMPILE_TIME_IMPLS), dynamo's phase times; then doracheck's first call
+#                                under cProfile (COMPILE_PROFILE_IMPLS) (eighteenth session)
 #   compose_variants             compose_variants_probe.py: the compose kernel's structure (early epilogue loads,
 #                                persistent over TMA descriptors), floors and the shipped kernel (seventeenth session)
 # .old/ holds `git archive` of the commit to compare against (ignored by git, named in carry).
@@ -179,6 +182,14 @@ if [[ $PARTS == *,fusedpass_old,* && -n ${OLD:-} ]]; then
 fi
 if [[ $PARTS == *,compose_variants,* ]]; then
   step compose_variants 240 $PY compose_variants_probe.py --csv "$R/compose_variants.csv"
+fi
+if [[ $PARTS == *,compile_time,* ]]; then  # cold caches per process; then the first call under cProfile
+  for impl in ${COMPILE_TIME_IMPLS:-peft_lora_bf16 peft_dora_bf16 doracheck_bf16}; do
+    step compile_time_$impl 240 $PY compile_time_probe.py --impl $impl --json "$R/compile_time.jsonl"
+  done
+  for impl in ${COMPILE_PROFILE_IMPLS:-doracheck_bf16}; do
+    step compile_profile_$impl 300 $PY compile_time_probe.py --impl $impl --cprofile "$R/compile_profile_$impl.txt"
+  done
 fi
 if [[ $PARTS == *,compiled_step,* ]]; then
   for impl in ${COMPILED_IMPLS:-peft_lora_bf16 doracheck_bf16 old:doracheck_bf16 peft_dora_bf16}; do
