@@ -8,7 +8,8 @@ process gets empty cache directories (set before torch is imported), then runs t
 compiled training step (forward, backward, fused AdamW ``step()``) of ``bench_model.build``'s
 model, and prints:
 
-- the first call's wall seconds, and the second call's (warm: what is left is not compilation);
+- the first call's wall seconds, and the second call's (a recompile shows there), and a rough
+  warm step (median of 5 wall-clock steps; ``bench_step.py`` is the benchmark);
 - ``torch._dynamo.utils.compile_times()`` (dynamo, AOT and Inductor phases, seconds);
 - the number of graphs, graph breaks and recompiles (``torch._dynamo.utils.counters``);
 - with ``--cprofile FILE``: cProfile of the first call, the top functions by cumulative and by
@@ -80,16 +81,26 @@ def main(argv=None) -> int:
     step()
     _sync(args.device)
     second_s = time.perf_counter() - t0
+    # A rough warm step (median of 5, wall clock around each): a check that the compiled step
+    # still runs at speed, not a benchmark (bench_step.py --mode compiled times it properly).
+    warm = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        step()
+        _sync(args.device)
+        warm.append(time.perf_counter() - t0)
+    warm_ms = sorted(warm)[2] * 1e3
 
     from torch._dynamo.utils import compile_times, counters
 
     phases = compile_times(repr="str")
     stats = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break", "recompiles", "inductor")}
     row = {"impl": args.impl, "cold_caches": cache_root is not None, "first_call_s": round(first_s, 2),
-           "second_call_s": round(second_s, 3), "counters": stats,
+           "second_call_s": round(second_s, 3), "warm_step_ms": round(warm_ms, 2),
+           "trace_kernels": os.environ.get("DORACHECK_TRACE_KERNELS", "0"), "counters": stats,
            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__}
-    print(f"== {args.impl}: first call {first_s:.1f} s, second {second_s * 1e3:.1f} ms "
-          f"({'cold' if cache_root else 'warm'} caches)")
+    print(f"== {args.impl}: first call {first_s:.1f} s, second {second_s * 1e3:.1f} ms, warm step {warm_ms:.1f} ms "
+          f"({'cold' if cache_root else 'warm'} caches, DORACHECK_TRACE_KERNELS={row['trace_kernels']})")
     print(phases)
     print(json.dumps(stats, default=str)[:3000])
     if args.json:

@@ -184,8 +184,14 @@ if [[ $PARTS == *,compose_variants,* ]]; then
   step compose_variants 240 $PY compose_variants_probe.py --csv "$R/compose_variants.csv"
 fi
 if [[ $PARTS == *,compile_time,* ]]; then  # cold caches per process; then the first call under cProfile
+  # traced:IMPL runs IMPL with DORACHECK_TRACE_KERNELS=1 (kernels traced into the graph, as before the eighteenth session)
   for impl in ${COMPILE_TIME_IMPLS:-peft_lora_bf16 peft_dora_bf16 doracheck_bf16}; do
-    step compile_time_$impl 240 $PY compile_time_probe.py --impl $impl --json "$R/compile_time.jsonl"
+    if [[ $impl == traced:* ]]; then
+      step compile_time_traced_${impl#traced:} 240 env DORACHECK_TRACE_KERNELS=1 TORCH_LOGS=recompiles $PY compile_time_probe.py \
+        --impl ${impl#traced:} --json "$R/compile_time.jsonl"
+    else
+      step compile_time_$impl 240 env TORCH_LOGS=recompiles $PY compile_time_probe.py --impl $impl --json "$R/compile_time.jsonl"
+    fi
   done
   for impl in ${COMPILE_PROFILE_IMPLS:-doracheck_bf16}; do
     step compile_profile_$impl 300 $PY compile_time_probe.py --impl $impl --cprofile "$R/compile_profile_$impl.txt"

@@ -130,7 +130,7 @@ def _build_triton_backend() -> Backend:
     def norm(weight, lora_A, lora_B, scaling, fan_in_fan_out, need_factors=False) -> FactoredNorm:
         if need_factors:  # U and G: only the torch twin forms them
             return _norm_torch(weight, lora_A, lora_B, scaling, fan_in_fan_out)
-        base, cross, lora, n = ops.call("factored_norm", weight, lora_A, lora_B, float(scaling), fan_in_fan_out)
+        base, cross, lora, n = ops.call("factored_norm", weight, lora_A, lora_B, float(scaling), fan_in_fan_out).unbind(0)
         return FactoredNorm(base, cross, lora, n, None, None)
 
     def compose_saving(base, xa, lora_B, g, bias, scaling, base_has_bias, output_may_stand_for_z):
@@ -163,3 +163,20 @@ def _build_triton_backend() -> Backend:
         return ops.compose_infer_(*args)
 
     return Backend("triton", norm, compose_infer, compose_saving, compose_dropout, grad_scale_dm, dm_finish, scaled_norm)
+
+
+def _build_at_import() -> bool:
+    """Whether to build the Triton backend when this module is imported: where CUDA and triton
+    are both present, so that a first call that torch.compile traces finds it built. Built on that
+    traced call instead, the emptiness of ``_TRITON`` became one of the graph's guards, and the
+    second call recompiled the whole model (12 s of a 57 s compile for ``bench_model``'s 4-layer
+    model, 25-29 s with the kernels traced into the graph; H200, torch 2.11, TORCH_LOGS=recompiles,
+    ``benchmarks/results/compile_time_eighteenth_h200.txt``). Elsewhere (CPU-only machines, the
+    interpreter) nothing traced asks for it: a traced call on CPU tensors takes the torch path."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
+
+
+if _build_at_import():
+    triton_backend()

@@ -1,9 +1,10 @@
 """The Triton kernels as torch.library custom ops, so torch.compile sees ops, not Python.
 
-``triton_op`` makes each body visible to torch.compile and torch.export; inside, kernels are
-launched through ``wrap_triton`` while tracing (``triton_common.launcher``). Under fake
-tensors the body runs with fake inputs and the launches are recorded, not run, so each op's
-fake (meta) implementation is its own body: shapes and dtypes come from the same code.
+Each op is a functional ``torch.library.custom_op``: torch.compile and torch.export keep it as
+one node, and a compiled graph calls it, which launches its kernels as eager code does
+(``_register`` says why not ``triton_op``; ``DORACHECK_TRACE_KERNELS=1`` brings that back).
+Each op's fake (meta) implementation is its own body run on fake inputs with its launches
+skipped (``triton_common.shapes_only``): shapes and dtypes come from the same code.
 
 In eager mode the functions below call the implementations directly (``call``): going
 through the dispatcher and ``wrap_triton`` costs about 0.2 ms of CPU per call, which would
@@ -15,12 +16,14 @@ Every registered op is functional (no argument is mutated). In eager, ``call`` w
 place into the base output (``lora_up_compose_`` and ``lora_up_compose_save_z_``, saving a
 T×d_out buffer); while tracing it calls the functional op and returns a new y, and callers
 use the returned tensor either way, so a traced graph needs no mutation analysis for these
-buffers and leaves buffer reuse to Inductor. Traced kernel launches never pass one tensor as two
-pointer arguments: that made Inductor miscompute the norm (norm_triton.rowdot_triton says how);
+buffers and leaves buffer reuse to Inductor. Kernel launches traced into a graph
+(``DORACHECK_TRACE_KERNELS=1``) never pass one tensor as two pointer arguments: that made
+Inductor miscompute the norm (norm_triton.rowdot_triton says how);
 in eager a pointer the kernel never reads may repeat another (``triton_common.unused_pointer``).
 
 Ops (namespace ``doracheck``):
-- ``factored_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out) -> (base, cross, lora, norm)``
+- ``factored_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out) -> terms``: the (4, d_out) fp32
+  rows (base, cross, lora, norm)
   (eager also ``scaled_norm``, not a registered op: the same and n_safe, g = m / n_safe as one
   (6, d_out) tensor; while tracing the backend composes it from ``factored_norm``)
 - ``lora_up_compose(base, xa, lora_B, g, bias?, scaling) -> y``
@@ -36,6 +39,7 @@ Ops (namespace ``doracheck``):
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -46,26 +50,29 @@ from .compose_torch import magnitude_scale
 from .compose_triton import grad_scale_dm_triton, lora_up_compose_triton
 from .lost_rows_triton import dm_finish_triton
 from .norm_graphs import graphed_norm
-from .norm_triton import factored_norm_triton, norm_terms
-from .triton_common import tracing
+from .norm_triton import norm_terms
+from .triton_common import shapes_only, tracing
+
+_TRACE_KERNELS = os.environ.get("DORACHECK_TRACE_KERNELS", "0") == "1"  # read once, at registration (``_register``)
 
 
 def _factored_norm(
     weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, fan_in_fan_out: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    result = factored_norm_triton(weight, lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out)
-    return result.base, result.cross, result.lora, result.norm
+) -> torch.Tensor:
+    """The (4, d_out) fp32 rows (base, cross, lora, norm): one output tensor, as a custom op's
+    outputs may not alias one another (four views of one buffer would)."""
+    return norm_terms(weight, lora_A, lora_B, scaling, fan_in_fan_out)
 
 
 def _factored_norm_eager(
     weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, fan_in_fan_out: bool
-) -> tuple[torch.Tensor, ...]:
+) -> torch.Tensor:
     """Eager: replayed from a CUDA graph where ``norm_graphs`` allows it (bitwise the same
     launches), else launched."""
     terms = graphed_norm(
         weight, lora_A, lora_B, scaling, fan_in_fan_out, lambda: norm_terms(weight, lora_A, lora_B, scaling, fan_in_fan_out),
     )
-    return terms.unbind(0) if terms is not None else _factored_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out)
+    return terms if terms is not None else _factored_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out)
 
 
 def _scaled_norm_eager(
@@ -178,6 +185,31 @@ def _guarded(body: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def _register(name: str, body: Callable[..., Any]):
+    """``doracheck::name`` as a functional op whose fake (meta) implementation is ``body`` itself.
+
+    Opaque by default (``torch.library.custom_op``): a compiled graph calls the op, and the op
+    launches its kernels as eager code does (``fast_launch``, the TMA compose where it applies).
+    With ``DORACHECK_TRACE_KERNELS=1`` in the environment at import, ``torch.library.triton_op``
+    instead: Inductor traces into the body and launches the kernels from its own generated code.
+    Why opaque: Inductor runs Triton's front end on every traced launch of a ``triton_op`` to
+    learn which arguments the kernel writes (``identify_mutated_tensors``, uncached: 690 TTIR
+    generations in the first compiled step of ``bench_model``'s 4-layer model, torch 2.11,
+    ``benchmarks/results/compile_time_eighteenth_h200.txt``), which made doracheck's compile
+    twice PEFT DoRA's; these ops declare that they mutate nothing, so there is nothing to learn."""
+    if _TRACE_KERNELS:
+        return triton_op(f"doracheck::{name}", _guarded(body), mutates_args=())
+    op = torch.library.custom_op(f"doracheck::{name}", _guarded(body), mutates_args=())
+
+    @functools.wraps(body)
+    def fake(*args, **kwargs):
+        with shapes_only():  # the body for its outputs' shapes and dtypes; no launch
+            return body(*args, **kwargs)
+
+    op.register_fake(fake)
+    return op
+
+
 def _on_device(fn: Callable[..., Any], args: tuple):
     index = launch_device(args)
     if index is None:
@@ -186,13 +218,12 @@ def _on_device(fn: Callable[..., Any], args: tuple):
         return fn(*args)
 
 
-factored_norm_op = triton_op("doracheck::factored_norm", _guarded(_factored_norm), mutates_args=())
-lora_up_compose_op = triton_op("doracheck::lora_up_compose", _guarded(_lora_up_compose), mutates_args=())
-lora_up_compose_save_z_op = triton_op("doracheck::lora_up_compose_save_z", _guarded(_lora_up_compose_save_z), mutates_args=())
-lora_up_compose_dropout_op = triton_op("doracheck::lora_up_compose_dropout", _guarded(_lora_up_compose_dropout),
-                                       mutates_args=())
-grad_scale_dm_op = triton_op("doracheck::grad_scale_dm", _guarded(_grad_scale_dm), mutates_args=())
-dm_finish_op = triton_op("doracheck::dm_finish", _guarded(_dm_finish), mutates_args=())
+factored_norm_op = _register("factored_norm", _factored_norm)
+lora_up_compose_op = _register("lora_up_compose", _lora_up_compose)
+lora_up_compose_save_z_op = _register("lora_up_compose_save_z", _lora_up_compose_save_z)
+lora_up_compose_dropout_op = _register("lora_up_compose_dropout", _lora_up_compose_dropout)
+grad_scale_dm_op = _register("grad_scale_dm", _grad_scale_dm)
+dm_finish_op = _register("dm_finish", _dm_finish)
 
 _EAGER: dict[str, Callable[..., Any]] = {
     "factored_norm": _factored_norm_eager,

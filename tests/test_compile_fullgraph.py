@@ -79,3 +79,37 @@ def test_the_cuda_dispatch_fast_path_traces_without_a_graph_break(monkeypatch, f
     torch._dynamo.reset()
     x = torch.zeros(2)
     assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(x), x - 1)  # fullgraph: a break raises
+
+
+_FIRST_TRACE = """
+import torch
+available = torch.cuda.is_available
+torch.cuda.is_available = lambda: True  # as on a GPU machine, while doracheck is imported
+import doracheck  # noqa: F401
+from doracheck.kernels import backends
+torch.cuda.is_available = available
+from torch._dynamo.utils import counters
+
+def f(x):
+    return x + 1 if backends.triton_backend().name == "triton" else x - 1
+
+compiled = torch.compile(f, fullgraph=True, backend="eager")
+x = torch.zeros(2)
+for _ in range(3):
+    assert torch.equal(compiled(x), x + 1)
+print(len(backends._TRITON), counters["stats"]["unique_graphs"])
+"""
+
+
+def test_a_first_call_traced_on_a_gpu_machine_compiles_once():
+    """Where CUDA and triton are present the Triton backend is built when doracheck is imported,
+    so a first call that torch.compile traces reads it built and no guard sees it change: built
+    on that traced call, the second call recompiled the whole model (kernels/backends.py,
+    ``_build_at_import``). CUDA's presence is simulated (the build needs no GPU)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-c", _FIRST_TRACE], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["1", "1"], proc.stdout  # built once, one graph for three calls

@@ -399,6 +399,45 @@ def test_torch_compile_matches_eager_on_the_triton_ops(with_bias, adapter_dtype)
     assert rel_l2(y_ci, y_r) <= a_priori_bound(props_budget("forward", "y"), rho["y"], kappa)
 
 
+@pytest.mark.interpreter
+@pytest.mark.skipif(os.environ.get("DORACHECK_TRACE_KERNELS") == "1", reason="DORACHECK_TRACE_KERNELS=1 traces the kernels "
+                    "into the graph (triton_op), which the interpreter cannot run on fake tensors")
+def test_compiled_graphs_keep_the_kernels_as_opaque_ops():
+    """A compiled graph keeps each registered op as one node (after AOT functionalization, what
+    Inductor receives): no traced Triton launch (``triton_kernel_wrapper_*``), whose mutation
+    analysis ran Triton's front end at every launch and made compiling doracheck twice as long as
+    PEFT DoRA (kernels/ops.py, ``_register``). The compiled call runs the same kernels: bitwise
+    eager's. (The ops are called directly: on CPU tensors a compiled ``dora_linear`` takes the
+    torch path; the GPU tests compile the layer.)"""
+    from torch._dynamo.backends.common import aot_autograd
+
+    import doracheck.kernels.ops  # noqa: F401  (registers torch.ops.doracheck)
+
+    case = make_case(24, 20, 4, (2, 5), torch.bfloat16, seed=4, device="cpu")
+    s = case.scaling
+    base = case.x.reshape(-1, case.x.shape[-1]) @ case.weight.t()
+    xa = case.x.reshape(-1, case.x.shape[-1]) @ case.lora_A.t()
+    targets: list[str] = []
+
+    def record(gm, _inputs):
+        targets.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    def f(W, A, B, base, xa, m):
+        norm = torch.ops.doracheck.factored_norm(W, A, B, s, False)[3]
+        g = m.float() / norm.clamp_min(1e-12)
+        return norm, torch.ops.doracheck.lora_up_compose(base, xa, B, g, None, s)
+
+    args = (case.weight, case.lora_A, case.lora_B, base, xa, case.magnitude)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend=aot_autograd(fw_compiler=record))
+    got = compiled(*args)
+    want = f(*args)
+    assert any("doracheck.factored_norm" in t for t in targets) and any("doracheck.lora_up_compose" in t for t in targets), targets
+    assert not [t for t in targets if "triton_kernel_wrapper" in t], targets
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("capability,hip,taken", [
     ((9, 0), None, True), ((8, 0), None, False), ((10, 0), None, False), ((12, 0), None, False), ((9, 4), "6.2", False),
 ])

@@ -324,7 +324,7 @@ def _adapter(d_out=768, d_in=512, r=48, dtype=torch.bfloat16, adapter_dtype=torc
 def _terms(W, A, B, s, fan_in_fan_out=False):
     from doracheck.kernels import ops
 
-    return ops.call("factored_norm", W, A, B, s, fan_in_fan_out)
+    return ops.call("factored_norm", W, A, B, s, fan_in_fan_out).unbind(0)
 
 
 def _eager_terms(W, A, B, s, fan_in_fan_out=False):
