@@ -165,18 +165,29 @@ def _build_triton_backend() -> Backend:
     return Backend("triton", norm, compose_infer, compose_saving, compose_dropout, grad_scale_dm, dm_finish, scaled_norm)
 
 
-def _build_at_import() -> bool:
-    """Whether to build the Triton backend when this module is imported: where CUDA and triton
-    are both present, so that a first call that torch.compile traces finds it built. Built on that
+def _build_at_import() -> None:
+    """Build the Triton backend when this module is imported, where CUDA and triton are both
+    present, so that a first call that torch.compile traces finds it built. Built on that
     traced call instead, the emptiness of ``_TRITON`` became one of the graph's guards, and the
     second call recompiled the whole model (12 s of a 57 s compile for ``bench_model``'s 4-layer
     model, 25-29 s with the kernels traced into the graph; H200, torch 2.11, TORCH_LOGS=recompiles,
     ``benchmarks/results/compile_time_eighteenth_h200.txt``). Elsewhere (CPU-only machines, the
-    interpreter) nothing traced asks for it: a traced call on CPU tensors takes the torch path."""
+    interpreter) nothing traced asks for it: a traced call on CPU tensors takes the torch path.
+
+    ``torch.cuda.device_count()`` asks NVML where it can, so importing doracheck does not
+    initialise the CUDA driver (``is_available`` would, and processes forked after that could not
+    use CUDA). A triton that is installed but fails to import leaves the backend to be built at
+    its first use, as before, so ``import doracheck`` and the torch path keep working."""
     import importlib.util
 
-    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
+    if importlib.util.find_spec("triton") is None or torch.cuda.device_count() == 0:
+        return
+    try:
+        triton_backend()
+    except Exception as exc:  # noqa: BLE001  (any failure here is reported again at first use)
+        import logging
+
+        logging.getLogger("doracheck").debug("Triton backend not built at import: %s", exc)
 
 
-if _build_at_import():
-    triton_backend()
+_build_at_import()

@@ -33,8 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import fast_launch
 from .constants import EPS
 from .settings import compose_config, compose_tma_config, grad_config
-from .tracing import tracing
-from .triton_common import cdiv, dot_acc, interpreting, launcher, round_to, unused_pointer
+from .triton_common import cdiv, dot_acc, interpreting, launcher, round_to, traced_launch, unused_pointer
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -245,7 +244,7 @@ def _compose(base, xa, lora_B, g, scaling, bias, base_dropped, out, z_out, base_
     y = out if out is not None else torch.empty_like(base)
     if T == 0 or d_out == 0:
         return y, None, None
-    traced = tracing()
+    traced = traced_launch()
     if base_dropped is None and z_out is None and not traced:
         tma_cfg = _tma_config(y, base, xa, lora_B, T, d_out, r)
         if tma_cfg is not None:
@@ -424,7 +423,7 @@ def grad_scale_dm_triton(
         return dz, zeros if reduce else zeros[None, :]
     part = torch.empty(n_tb, d_out, dtype=torch.float32, device=dy.device)
     grid = (n_tb, cdiv(d_out, cfg.block_d))
-    traced = tracing()
+    traced = traced_launch()
     args = (
         dz, dz.stride(0), dz.stride(1),
         part, part.stride(0),

@@ -25,8 +25,7 @@ import triton.language as tl
 
 from . import fast_launch
 from .constants import EPS
-from .tracing import tracing
-from .triton_common import cdiv, interpreting, launcher, round_to
+from .triton_common import cdiv, interpreting, launcher, round_to, traced_launch
 
 BLOCK_T = 32
 BLOCK_K = 64
@@ -110,7 +109,7 @@ def dm_finish_triton(
         return out
     if parts.stride(1) != 1:
         parts = parts.contiguous()
-    traced = tracing()
+    traced = traced_launch()
     args = (
         out,
         parts, parts.stride(0),

@@ -39,9 +39,16 @@ def launcher(kernel, traced: bool | None = None):
     (a Python key over every argument instead of triton's binder) cost as much host time as
     ``JITFunction.run`` on the H200 host with triton 3.6 (cProfile of the model step: 115 µs
     against 88 µs per launch; one layer's T = 1 train call 1839 against 1871 µs, within noise)."""
-    if not (tracing() if traced is None else traced):
-        return kernel
-    return _NO_LAUNCH if getattr(_shapes, "only", False) else wrap_triton(kernel)
+    if getattr(_shapes, "only", False):  # first: a fake on meta tensors is not "tracing"
+        return _NO_LAUNCH
+    return wrap_triton(kernel) if (tracing() if traced is None else traced) else kernel
+
+
+def traced_launch() -> bool:
+    """Whether a launcher must take its traced form (``launcher(kernel, True)``): while tracing,
+    and inside ``shapes_only`` (a fake implementation, meta tensors included), where the eager
+    launch paths (``fast_launch``, the TMA compose) must not run either."""
+    return getattr(_shapes, "only", False) or tracing()
 
 
 class _NoLaunch:
@@ -61,9 +68,9 @@ _shapes = threading.local()
 
 @contextlib.contextmanager
 def shapes_only():
-    """Within it, traced launches are skipped: a registered op's fake implementation runs its own
-    body for the output shapes and dtypes (kernels/ops.py), and under fake tensors a launch has
-    nothing to compute. Under the interpreter ``wrap_triton`` returns the interpreted kernel,
+    """Within it, no kernel is launched (``launcher``, ``traced_launch``): a registered op's fake
+    implementation runs its own body for the output shapes and dtypes (kernels/ops.py), and on
+    fake or meta tensors a launch has nothing to compute. Under the interpreter ``wrap_triton`` returns the interpreted kernel,
     which would run on the fake tensors' missing data; on a GPU it would only record the launch."""
     before = getattr(_shapes, "only", False)
     _shapes.only = True

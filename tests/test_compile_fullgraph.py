@@ -83,11 +83,11 @@ def test_the_cuda_dispatch_fast_path_traces_without_a_graph_break(monkeypatch, f
 
 _FIRST_TRACE = """
 import torch
-available = torch.cuda.is_available
-torch.cuda.is_available = lambda: True  # as on a GPU machine, while doracheck is imported
+count = torch.cuda.device_count
+torch.cuda.device_count = lambda: 1  # as on a GPU machine, while doracheck is imported
 import doracheck  # noqa: F401
 from doracheck.kernels import backends
-torch.cuda.is_available = available
+torch.cuda.device_count = count
 from torch._dynamo.utils import counters
 
 def f(x):
@@ -113,3 +113,27 @@ def test_a_first_call_traced_on_a_gpu_machine_compiles_once():
     proc = subprocess.run([sys.executable, "-c", _FIRST_TRACE], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["1", "1"], proc.stdout  # built once, one graph for three calls
+
+
+_BROKEN_TRITON = """
+import torch
+torch.cuda.device_count = lambda: 1  # as on a GPU machine
+import doracheck
+from doracheck.kernels import backends
+print(len(backends._TRITON))
+"""
+
+
+def test_a_broken_triton_does_not_break_the_import(tmp_path):
+    """The build at import is best effort: a triton that is found but fails to import (a
+    half-installed wheel) leaves ``import doracheck`` working, as the lazy build did."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / "__init__.py").write_text("raise ImportError('a broken triton')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", _BROKEN_TRITON], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["0"], proc.stdout

@@ -438,6 +438,27 @@ def test_compiled_graphs_keep_the_kernels_as_opaque_ops():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.interpreter
+def test_the_ops_on_meta_tensors_give_shapes_and_launch_nothing():
+    """A registered op called on meta tensors runs its fake implementation (the body inside
+    ``shapes_only``), which is not "tracing": every launch path must still be skipped (a launch
+    would read the meta tensors' missing data), and the outputs have the real ones' shapes."""
+    import doracheck.kernels.ops  # noqa: F401  (registers torch.ops.doracheck)
+
+    T, d_in, d_out, r = 40, 24, 20, 4
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    W, A, B = torch.empty(d_out, d_in, **meta), torch.empty(r, d_in, **meta), torch.empty(d_out, r, **meta)
+    base, xa, dy = torch.empty(T, d_out, **meta), torch.empty(T, r, **meta), torch.empty(T, d_out, **meta)
+    g = torch.empty(d_out, device="meta", dtype=torch.float32)
+    ops = torch.ops.doracheck
+    assert ops.factored_norm(W, A, B, 2.0, False).shape == (4, d_out)
+    assert ops.lora_up_compose(base, xa, B, g, None, 2.0).shape == (T, d_out)
+    y, z = ops.lora_up_compose_save_z(base, xa, B, g, g.to(torch.bfloat16), 2.0, False)
+    assert y.shape == z.shape == (T, d_out)
+    dz, dm = ops.grad_scale_dm(dy, base, g, g, None, True, True, True)
+    assert dz.shape == (T, d_out) and dm.shape == (d_out,) and dm.device.type == "meta"
+
+
 @pytest.mark.parametrize("capability,hip,taken", [
     ((9, 0), None, True), ((8, 0), None, False), ((10, 0), None, False), ((12, 0), None, False), ((9, 4), "6.2", False),
 ])
