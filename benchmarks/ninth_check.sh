@@ -48,7 +48,7 @@
 #                                (FUSED_ONLY=compose or grad: one of the two)
 #   compile_time                 compile_time_probe.py: the compiled step's first call with empty Inductor and Triton caches,
 #                                one process per row (COMPILE_TIME_IMPLS), dynamo's phase times; then doracheck's first call
-#                                under cProfile (COMPILE_PROFILE_IMPLS) (eighteenth session)
+#                                under cProfile (COMPILE_PROFILE_IMPLS; set it empty for none) (eighteenth session)
 #   compose_variants             compose_variants_probe.py: the compose kernel's structure (early epilogue loads,
 #                                persistent over TMA descriptors), floors and the shipped kernel (seventeenth session)
 # .old/ holds `git archive` of the commit to compare against (ignored by git, named in carry).
@@ -193,7 +193,7 @@ if [[ $PARTS == *,compile_time,* ]]; then  # cold caches per process; then the f
       step compile_time_$impl 240 env TORCH_LOGS=recompiles $PY compile_time_probe.py --impl $impl --json "$R/compile_time.jsonl"
     fi
   done
-  for impl in ${COMPILE_PROFILE_IMPLS:-doracheck_bf16}; do
+  for impl in ${COMPILE_PROFILE_IMPLS-doracheck_bf16}; do
     step compile_profile_$impl 300 $PY compile_time_probe.py --impl $impl --cprofile "$R/compile_profile_$impl.txt"
   done
 fi
