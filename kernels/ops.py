@@ -3,8 +3,10 @@
 Each op is a functional ``torch.library.custom_op``: torch.compile and torch.export keep it as
 one node, and a compiled graph calls it, which launches its kernels as eager code does
 (``_register`` says why not ``triton_op``; ``DORACHECK_TRACE_KERNELS=1`` brings that back).
-Each op's fake (meta) implementation is its own body run on fake inputs with its launches
-skipped (``triton_common.shapes_only``): shapes and dtypes come from the same code.
+Each op's fake (meta) implementation allocates its outputs and computes nothing, so no tile
+choice becomes a guard on symbolic shapes (``_register`` says why); where the output's shape
+depends on the tiles (``grad_scale_dm``'s unsummed partials) it is the op's own body run with
+its launches skipped (``triton_common.shapes_only``).
 
 In eager mode the functions below call the implementations directly (``call``): going
 through the dispatcher and ``wrap_triton`` costs about 0.2 ms of CPU per call, which would
@@ -185,8 +187,35 @@ def _guarded(body: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _register(name: str, body: Callable[..., Any]):
-    """``doracheck::name`` as a functional op whose fake (meta) implementation is ``body`` itself.
+def _rows(weight: torch.Tensor, fan_in_fan_out: bool) -> int:
+    return weight.shape[1] if fan_in_fan_out else weight.shape[0]
+
+
+def _factored_norm_fake(weight, lora_A, lora_B, scaling, fan_in_fan_out):
+    return weight.new_empty((4, _rows(weight, fan_in_fan_out)), dtype=torch.float32)
+
+
+def _compose_fake(base, *_args):
+    return torch.empty_like(base)
+
+
+def _compose_pair_fake(base, *_args):
+    return torch.empty_like(base), torch.empty_like(base)
+
+
+def _grad_scale_dm_fake(dy, saved, g, n, bias, from_output, final_dm=False, reduce=True):
+    if not reduce:  # the partials' rows are the kernel's token blocks: the body, its launches skipped
+        with shapes_only():
+            return _grad_scale_dm(dy, saved, g, n, bias, from_output, final_dm, reduce)
+    return torch.empty_like(dy), dy.new_empty(dy.shape[1], dtype=torch.float32)
+
+
+def _dm_finish_fake(parts, dy, x, weight_rows, xa, lora_B, g, n, scaling, out_dtype):
+    return parts.new_empty(parts.shape[1], dtype=out_dtype)
+
+
+def _register(name: str, body: Callable[..., Any], fake: Callable[..., Any]):
+    """``doracheck::name`` as a functional op with fake (meta) implementation ``fake``.
 
     Opaque by default (``torch.library.custom_op``): a compiled graph calls the op, and the op
     launches its kernels as eager code does (``fast_launch``, the TMA compose where it applies).
@@ -196,16 +225,15 @@ def _register(name: str, body: Callable[..., Any]):
     learn which arguments the kernel writes (``identify_mutated_tensors``, uncached: 690 TTIR
     generations in the first compiled step of ``bench_model``'s 4-layer model, torch 2.11,
     ``benchmarks/results/compile_time_eighteenth_h200.txt``), which made doracheck's compile
-    twice PEFT DoRA's; these ops declare that they mutate nothing, so there is nothing to learn."""
+    twice PEFT DoRA's; these ops declare that they mutate nothing, so there is nothing to learn.
+    Why a ``fake`` that only allocates: the body picks its tiles from the shapes (T <= 16 for
+    decode, the number of token blocks), and on symbolic shapes (``torch.compile(dynamic=True)``,
+    or a second sequence length) each such choice becomes a guard, hence a recompile per tile
+    bucket; the outputs' shapes do not depend on those choices. ``tests/test_ops_fakes.py`` runs
+    ``torch.library.opcheck`` on each op, which compares the fake's outputs with the real ones."""
     if _TRACE_KERNELS:
         return triton_op(f"doracheck::{name}", _guarded(body), mutates_args=())
     op = torch.library.custom_op(f"doracheck::{name}", _guarded(body), mutates_args=())
-
-    @functools.wraps(body)
-    def fake(*args, **kwargs):
-        with shapes_only():  # the body for its outputs' shapes and dtypes; no launch
-            return body(*args, **kwargs)
-
     op.register_fake(fake)
     return op
 
@@ -218,12 +246,12 @@ def _on_device(fn: Callable[..., Any], args: tuple):
         return fn(*args)
 
 
-factored_norm_op = _register("factored_norm", _factored_norm)
-lora_up_compose_op = _register("lora_up_compose", _lora_up_compose)
-lora_up_compose_save_z_op = _register("lora_up_compose_save_z", _lora_up_compose_save_z)
-lora_up_compose_dropout_op = _register("lora_up_compose_dropout", _lora_up_compose_dropout)
-grad_scale_dm_op = _register("grad_scale_dm", _grad_scale_dm)
-dm_finish_op = _register("dm_finish", _dm_finish)
+factored_norm_op = _register("factored_norm", _factored_norm, _factored_norm_fake)
+lora_up_compose_op = _register("lora_up_compose", _lora_up_compose, _compose_fake)
+lora_up_compose_save_z_op = _register("lora_up_compose_save_z", _lora_up_compose_save_z, _compose_pair_fake)
+lora_up_compose_dropout_op = _register("lora_up_compose_dropout", _lora_up_compose_dropout, _compose_pair_fake)
+grad_scale_dm_op = _register("grad_scale_dm", _grad_scale_dm, _grad_scale_dm_fake)
+dm_finish_op = _register("dm_finish", _dm_finish, _dm_finish_fake)
 
 _EAGER: dict[str, Callable[..., Any]] = {
     "factored_norm": _factored_norm_eager,

@@ -1,0 +1,111 @@
+"""The registered ops' fake (meta) implementations: right outputs, and no guard from a tile choice.
+
+Each ``torch.ops.doracheck`` op has a fake that only allocates its outputs (kernels/ops.py,
+``_register``). ``torch.library.opcheck`` checks each fake against the real op (shapes, dtypes,
+strides; the op under ``torch.compile`` with dynamic shapes); the recompile test checks the reason
+for lean fakes: a compiled graph with a symbolic token count that crosses the kernels' tile buckets
+(decode vs prefill tiles, one vs several token blocks) compiles once. On the GPU these run the real
+kernels; without one, under TRITON_INTERPRET=1 at small shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+pytestmark = [
+    pytest.mark.gpu if ON_GPU else pytest.mark.interpreter,
+    pytest.mark.skipif(not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
+                       reason="without CUDA the kernels run under TRITON_INTERPRET=1 only"),
+    pytest.mark.skipif(os.environ.get("DORACHECK_TRACE_KERNELS") == "1",
+                       reason="DORACHECK_TRACE_KERNELS=1 registers triton_op, whose fake is the traced body"),
+]
+triton = pytest.importorskip("triton")
+
+import doracheck.kernels.ops  # noqa: E402, F401  (registers torch.ops.doracheck)
+
+D_IN, D_OUT, R, S = 24, 20, 4, 0.5
+
+
+def _tensors(T: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Inputs of every op for T tokens; never zeros, g and n positive (no lost feature)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, dtype=torch.bfloat16, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+    n = rnd(D_OUT, dtype=torch.float32).abs() + 0.5
+    return dict(
+        W=rnd(D_OUT, D_IN), A=rnd(R, D_IN, scale=0.3), B=rnd(D_OUT, R, scale=0.3),
+        base=rnd(T, D_OUT), base_d=rnd(T, D_OUT), x=rnd(T, D_IN), xa=rnd(T, R), dy=rnd(T, D_OUT),
+        g=rnd(D_OUT, dtype=torch.float32).abs() + 0.5, n=n, bias=rnd(D_OUT), parts=rnd(3, D_OUT, dtype=torch.float32),
+    )
+
+
+def _calls(T: int) -> dict[str, tuple]:
+    """(op, args) for each op, every flag combination the library uses."""
+    t = _tensors(T)
+    ops = torch.ops.doracheck
+    return {
+        "factored_norm": (ops.factored_norm.default, (t["W"], t["A"], t["B"], S, False)),
+        "factored_norm_fan_in_fan_out": (ops.factored_norm.default, (t["W"].t().contiguous(), t["A"], t["B"], S, True)),
+        "lora_up_compose": (ops.lora_up_compose.default, (t["base"], t["xa"], t["B"], t["g"], None, S)),
+        "lora_up_compose_bias": (ops.lora_up_compose.default, (t["base"], t["xa"], t["B"], t["g"], t["bias"], S)),
+        "lora_up_compose_save_z": (ops.lora_up_compose_save_z.default, (t["base"], t["xa"], t["B"], t["g"], t["bias"], S, True)),
+        "lora_up_compose_dropout": (ops.lora_up_compose_dropout.default,
+                                    (t["base"], t["base_d"], t["xa"], t["B"], t["g"], None, S)),
+        "grad_scale_dm": (ops.grad_scale_dm.default, (t["dy"], t["base"], t["g"], t["n"], None, False, False, True)),
+        "grad_scale_dm_final": (ops.grad_scale_dm.default, (t["dy"], t["base"], t["g"], t["n"], t["bias"], True, True, True)),
+        "grad_scale_dm_partials": (ops.grad_scale_dm.default, (t["dy"], t["base"], t["g"], t["n"], None, False, False, False)),
+        "dm_finish": (ops.dm_finish.default, (t["parts"], t["dy"], t["x"], t["W"], t["xa"], t["B"], t["g"], t["n"], S,
+                                              torch.bfloat16)),
+    }
+
+
+NAMES = list(_calls(1))
+
+
+def _flat(out) -> list[torch.Tensor]:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+@pytest.mark.parametrize("T", [5, 40])
+@pytest.mark.parametrize("name", NAMES)
+def test_each_fake_matches_its_op(name, T):
+    """opcheck (schema, fake tensors, AOT dispatch with static and dynamic shapes), and the fake's
+    outputs on meta tensors have the real outputs' shapes, dtypes and strides."""
+    op, args = _calls(T)[name]
+    torch.library.opcheck(op, args)
+    real = _flat(op(*args))
+    fake = _flat(op(*(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)))
+    assert [(f.shape, f.dtype, f.stride()) for f in fake] == [(r.shape, r.dtype, r.stride()) for r in real]
+    assert all(f.device.type == "meta" for f in fake)
+
+
+def test_a_symbolic_token_count_compiles_once():
+    """Forward compose and backward dz/dm at token counts across the tile buckets (T <= 16 takes
+    the decode tiles on a GPU; past one token block the dm partials are summed): one graph with
+    dynamic shapes, its results bitwise eager's. A fake that ran the body made each bucket a guard."""
+    from torch._dynamo.utils import counters
+
+    ops = torch.ops.doracheck
+
+    def step(base, xa, B, g, n, dy):
+        y = ops.lora_up_compose(base, xa, B, g, None, S)
+        dz, dm = ops.grad_scale_dm(dy, y, g, n, None, True, False, True)
+        return y, dz, dm
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, dynamic=True, backend="aot_eager", fullgraph=True)
+    for T in (3, 8, 24, 40, 72) + ((300,) if ON_GPU else ()):
+        t = _tensors(T, seed=T)
+        args = (t["base"], t["xa"], t["B"], t["g"], t["n"], t["dy"])
+        got, want = compiled(*(a.clone() for a in args)), step(*(a.clone() for a in args))
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), T
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
