@@ -32,6 +32,7 @@ from .forward import dropped, in_dtype, rows
 from .kernels.compose_torch import accumulation_dtype
 from .kernels.constants import EPS
 from .kernels.settings import HAS_MM_DTYPE, NORM_CHUNK_BYTES, backward_token_chunk
+from .kernels.tracing import tracing
 from .layer_state import Grads, LayerArgs, Need, Saved
 
 _DM_PARTS_BYTES = 4 * 2**20  # dm partials kept over token chunks before they are folded into one row
@@ -43,8 +44,6 @@ def _zero_scalar(like: torch.Tensor) -> torch.Tensor:
     Only for plain tensors outside any tracing (a fake or functional tensor cached here would
     break every later eager call) and outside CUDA-graph capture (where the fill is recorded,
     not run)."""
-    from doracheck.kernels.tracing import tracing
-
     if type(like) is not torch.Tensor or tracing():
         return like.new_zeros(())
     key = (like.dtype, like.device)
@@ -137,7 +136,12 @@ def _setup(saved: Saved, dy: torch.Tensor, a: LayerArgs, need: Need, base_in_dx:
     dy2 = in_dtype(dy.reshape(T, d_out), cd).contiguous()  # T from x: with d_out = 0, -1 would be ambiguous
     W, A, B = in_dtype(rows(a.weight, a.fan_in_fan_out), cd), in_dtype(a.lora_A, cd), in_dtype(a.lora_B, cd)
     variant = saved.variant
-    step = backward_token_chunk(T, d_out, dy2.element_size()) if variant.chunked else max(T, 1)
+    # Traced, one chunk: a loop over token chunks makes the graph's structure depend on T, so a
+    # symbolic T (dynamic shapes: a second sequence length, or dynamic=True) would be specialized,
+    # a recompile per length (dynamo reports a symbolic T as an int, so it cannot be told apart);
+    # a compiled graph's buffers are Inductor's to plan.
+    chunked = variant.chunked and not tracing()
+    step = backward_token_chunk(T, d_out, dy2.element_size()) if chunked else max(T, 1)
     xa = saved.xa
     if xa is None and T > 0 and need.dB:  # variant recompute_xa (or merged without a saved xa)
         xa = dropped(x2, saved.keep, a.dropout_p) @ A.t()
@@ -308,8 +312,12 @@ def layer_backward(saved: Saved, dy: torch.Tensor, a: LayerArgs, lead: tuple, ne
     T, d_out = p.dy2.shape
     acc, dev, d_in, r = p.acc, saved.x2.device, saved.x2.shape[1], p.A.shape[0]
     _prescale(p)
-    for t0 in range(0, T, p.step):
-        _chunk(p, t0, min(T, t0 + p.step))
+    if p.step >= T:  # one chunk; no loop over range(T): a symbolic T (a compiled graph with dynamic shapes) would specialize
+        if T > 0:
+            _chunk(p, 0, T)
+    else:
+        for t0 in range(0, T, p.step):
+            _chunk(p, t0, min(T, t0 + p.step))
     dA = None
     if need.dA and T > 0:
         dA = _scaled_mm((p.dzB_all if p.chunked else p.dzB).t(), dropped(saved.x2, saved.keep, a.dropout_p), a.scaling)

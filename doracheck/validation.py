@@ -87,7 +87,7 @@ def _plainly_valid(x, weight, lora_A, lora_B, magnitude, scaling, bias, dropout_
         and magnitude.shape == (d_out,)
         and x.device == dev and lora_A.device == dev and lora_B.device == dev and magnitude.device == dev
         and (bias is None or (bias.dtype in F and bias.shape == (d_out,) and bias.device == dev))
-        and type(scaling) in (float, int) and math.isfinite(scaling) and type(dropout_p) in (float, int)
+        and type(scaling) in (float, int) and abs(scaling) < math.inf and type(dropout_p) in (float, int)
         and 0.0 <= dropout_p < 1.0
     )
 

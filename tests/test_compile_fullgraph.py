@@ -137,3 +137,78 @@ def test_a_broken_triton_does_not_break_the_import(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _BROKEN_TRITON], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["0"], proc.stdout
+
+
+def test_a_decoder_layer_compiled_with_dynamic_shapes_trains_over_sequence_lengths_with_one_graph():
+    """``torch.compile(dynamic=True, fullgraph=True)`` over a PEFT decoder layer with doracheck,
+    at sequence lengths 5, 12 and 31: no graph break (a symbolic ``scaling`` once broke it at
+    ``math.isfinite``), one graph (the backward's loop over token chunks once specialized the
+    token count, a recompile per length), and eager's output and gradients."""
+    from torch._dynamo.utils import counters
+
+    model = dora_model(0)
+    enable(model)
+    inner = model.base_model.model.model
+    params = [p for p in inner.layers[0].parameters() if p.requires_grad]
+
+    def run(h, cos, sin):
+        out = inner.layers[0](h, position_embeddings=(cos, sin), attention_mask=None)
+        return out[0] if isinstance(out, tuple) else out
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
+    for length in (5, 12, 31, 47):
+        hidden = torch.randn(2, length, 32, generator=torch.Generator().manual_seed(length))
+        cos, sin = inner.rotary_emb(hidden, torch.arange(length)[None].expand(2, length))
+        results = []
+        for fn in (compiled, run):
+            h = hidden.clone().requires_grad_()
+            y = fn(h, cos, sin)
+            results.append((y, *torch.autograd.grad(y.square().sum(), [h, *params])))
+        assert torch.equal(results[0][0], results[1][0]), length
+        for a, b in zip(results[0][1:], results[1][1:]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # fp32: summation order of the traced backward only
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
+@pytest.mark.parametrize("chunk_tokens", [None, 20], ids=["one_chunk", "chunked_past_20_tokens"])
+def test_a_dora_linear_compiled_with_dynamic_true_trains_over_token_counts_with_one_graph(chunk_tokens, monkeypatch):
+    """``torch.compile(layer, dynamic=True, fullgraph=True)``: ``scaling`` and the token count are
+    symbolic from the first call. No graph break (``math.isfinite`` of a symbolic float broke
+    it), one graph over T = 3..300, eager's output and gradients; also where eager's backward
+    runs over token chunks (the chunk size made 20 tokens: a loop over chunks of a symbolic T
+    specialized it)."""
+    from torch._dynamo.utils import counters
+
+    from doracheck import DoRALinear
+    from doracheck.kernels import settings
+    from doracheck.reference import rel_l2
+
+    if chunk_tokens is not None:
+        monkeypatch.setattr(settings, "BACKWARD_CHUNK_BYTES", chunk_tokens * 48 * 4)  # d_out 48, fp32
+
+    torch.manual_seed(0)
+    layer = DoRALinear.from_linear(torch.nn.Linear(64, 48, bias=True), r=8, lora_alpha=16)
+    with torch.no_grad():
+        for p in layer.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    params = [p for p in layer.parameters() if p.requires_grad]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(layer, dynamic=True, fullgraph=True, backend="aot_eager")
+    for T in (3, 16, 40, 300):
+        x = torch.randn(T, 64, generator=torch.Generator().manual_seed(T))
+        results = []
+        for fn in (compiled, layer):
+            xi = x.clone().requires_grad_()
+            y = fn(xi)
+            results.append((y, *torch.autograd.grad(y.square().sum(), [xi, *params])))
+        assert torch.equal(results[0][0], results[1][0]), T
+        for a, b in zip(results[0][1:], results[1][1:]):
+            if chunk_tokens is None:
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # fp32: summation order of the traced backward only
+            else:  # eager sums dB and dm over chunks, the graph over all T tokens at once: 2·γ_T in fp32
+                assert rel_l2(a, b) <= 2 * T * 2.0**-24, (T, rel_l2(a, b))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
