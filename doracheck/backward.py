@@ -30,7 +30,7 @@ import torch
 
 from .forward import dropped, in_dtype, rows
 from .kernels.compose_torch import accumulation_dtype
-from .kernels.constants import EPS
+from .kernels.constants import eps
 from .kernels.settings import HAS_MM_DTYPE, NORM_CHUNK_BYTES, backward_token_chunk
 from .kernels.tracing import tracing
 from .layer_state import Grads, LayerArgs, Need, Saved
@@ -276,7 +276,7 @@ def _sum_of_z(dm_sum: torch.Tensor, g: torch.Tensor, n: torch.Tensor, from_outpu
     if not from_output:
         return dm_sum
     safe_g = torch.where(g == 0, torch.ones_like(g), g)
-    lost = torch.where(n < EPS, torch.zeros_like(n), torch.full_like(n, float("nan")))
+    lost = torch.where(n < eps(), torch.zeros_like(n), torch.full_like(n, float("nan")))
     return torch.where(g == 0, lost, dm_sum / safe_g)
 
 
@@ -287,7 +287,7 @@ def _exact_norm_terms(p: _Pass, raw: Any, dA, dB, dW_rows):
     acc, n, n_safe, s = p.acc, sv.n, sv.n_safe, a.scaling
     # From the output, S·m = raw·max(n, eps) (g = m / max(n, eps)): c = -raw / n², no division by g.
     num = raw * n_safe if sv.from_output else p.dm_sum * a.magnitude.to(acc)
-    c = torch.where(n > EPS, -num / (n_safe * n_safe * n_safe), torch.zeros_like(n))
+    c = torch.where(n > eps(), -num / (n_safe * n_safe * n_safe), torch.zeros_like(n))
     B_acc = a.lora_B.to(acc)
     if dB is not None:
         U, G = sv.U, sv.G  # formed by the forward whenever the norm is not detached

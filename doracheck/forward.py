@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from . import norm_cache, planner
 from .kernels.backends import Backend
 from .kernels.compose_torch import magnitude_scale
-from .kernels.constants import EPS
+from .kernels.constants import eps
 from .layer_state import LayerArgs, Saved
 
 
@@ -56,7 +56,7 @@ def norm_with_floor(backend: Backend, weight, lora_A, lora_B, scaling: float, fa
     as torch.clamp_min does; tests/test_norm_graphs.py), so a buffer is bitwise the layer's own."""
     with torch.no_grad():
         fn = backend.factored_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out, need_factors)
-        return fn, torch.clamp_min(fn.norm, EPS)
+        return fn, torch.clamp_min(fn.norm, eps())
 
 
 def norm_and_scale(backend: Backend, a: LayerArgs, *, need_g: bool, recording: bool):

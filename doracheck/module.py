@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from doracheck.kernels.constants import EPS
+from doracheck.kernels.constants import eps
 
 from .functional import dora_linear, factored_norm
 
@@ -125,7 +125,7 @@ class DoRALinear(nn.Module):
         if self.merged:
             raise RuntimeError("DoRALinear.merge: the adapter is already merged")
         n = self._norm()
-        g = self.magnitude.to(torch.float32) / torch.clamp_min(n, EPS)
+        g = self.magnitude.to(torch.float32) / torch.clamp_min(n, eps())
         bad = int((~torch.isfinite(g) | (g == 0)).sum())
         if bad:  # unmerge divides by g: a zero or non-finite g would write NaN into the shared W
             raise ValueError(f"DoRALinear.merge: {bad} features have g = m/n zero or not finite; unmerge could not restore W")
@@ -139,7 +139,7 @@ class DoRALinear(nn.Module):
         """W ← W' / g - s·B·A with the g used by ``merge`` (in fp32, cast once)."""
         if not self.merged:
             raise RuntimeError("DoRALinear.unmerge: the adapter is not merged")
-        g = self.magnitude.to(torch.float32) / torch.clamp_min(self._merged_norm, EPS)
+        g = self.magnitude.to(torch.float32) / torch.clamp_min(self._merged_norm, eps())
         lora = self.scaling * (self.lora_B.to(torch.float32) @ self.lora_A.to(torch.float32))
         self.weight.copy_((self.weight.to(torch.float32) / g[:, None] - lora).to(self.weight.dtype))
         self._merged_norm = None  # type: ignore[assignment]

@@ -40,7 +40,7 @@ from .compose_torch import (
     lora_up_compose_torch,
     magnitude_scale,
 )
-from .constants import EPS
+from .constants import eps
 from .norm_torch import FactoredNorm, factored_norm_torch
 from .tracing import tracing
 
@@ -70,7 +70,7 @@ def _scaled_norm_composite(norm: Callable[..., FactoredNorm], weight, lora_A, lo
     autograd, as the fused kernel's (the layer asks inside its autograd Function's forward)."""
     with torch.no_grad():
         fn = norm(weight, lora_A, lora_B, scaling, fan_in_fan_out)
-        n_safe = torch.clamp_min(fn.norm, EPS)
+        n_safe = torch.clamp_min(fn.norm, eps())
         return fn, n_safe, magnitude_scale(magnitude, n_safe)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .constants import EPS
+from .constants import eps
 
 
 def compose_torch(
@@ -113,7 +113,7 @@ def grad_scale_dm_torch(
     dy_acc = dy.to(acc)
     dz = dy_acc * g.to(acc)
     limit = torch.finfo(dy.dtype).max
-    dz = torch.where((n < EPS) & (dz.abs() > limit), torch.sign(dz) * limit, dz).to(dy.dtype)
+    dz = torch.where((n < eps()) & (dz.abs() > limit), torch.sign(dz) * limit, dz).to(dy.dtype)
     h = saved.to(acc)
     if from_output and bias is not None:
         h = h - bias.to(acc)
@@ -124,11 +124,11 @@ def grad_scale_dm_torch(
 
 def _finish_dm(S: torch.Tensor, g: torch.Tensor, n: torch.Tensor, from_output: bool, acc: torch.dtype) -> torch.Tensor:
     """dm from S: S / max(n, eps), or from the output S / (g·max(n, eps)) with the g = 0 rules."""
-    n_safe = n.to(acc).clamp_min(EPS)
+    n_safe = n.to(acc).clamp_min(eps())
     if not from_output:
         return S / n_safe
     gf = g.to(acc)
-    lost = torch.where(n_safe > EPS, torch.full_like(S, float("nan")), torch.zeros_like(S))
+    lost = torch.where(n_safe > eps(), torch.full_like(S, float("nan")), torch.zeros_like(S))
     return torch.where(gf == 0, lost, S / torch.where(gf == 0, torch.ones_like(gf), gf * n_safe))
 
 
@@ -140,12 +140,12 @@ def dm_lost_rows_torch(
     max(n_i, eps) recomputed from x, W, xa, B where g_i = 0 and n_i >= eps (z_i is not
     recoverable from the output there); other entries unchanged."""
     acc = accumulation_dtype(dy, g)
-    lost = ((g == 0) & (n >= EPS)).nonzero().squeeze(1)
+    lost = ((g == 0) & (n >= eps())).nonzero().squeeze(1)
     result = out if out is not None else dm.clone()
     if lost.numel() == 0 or dy.shape[0] == 0:
         return result
     z = x.to(acc) @ weight_rows[lost].to(acc).t() + float(scaling) * (xa.to(acc) @ lora_B[lost].to(acc).t())
-    result[lost] = ((dy[:, lost].to(acc) * z).sum(0) / n[lost].to(acc).clamp_min(EPS)).to(result.dtype)
+    result[lost] = ((dy[:, lost].to(acc) * z).sum(0) / n[lost].to(acc).clamp_min(eps())).to(result.dtype)
     return result
 
 
@@ -160,7 +160,7 @@ def dm_finish_torch(
     for row in parts[1:]:
         dm += row
     if dy.shape[0] == 0:  # no tokens: a lost feature's sum is empty, 0 (as the kernel gives)
-        dm[(g == 0) & (n >= EPS)] = 0.0
+        dm[(g == 0) & (n >= eps())] = 0.0
         return dm.to(out_dtype)
     return dm_lost_rows_torch(dm, dy, x, weight_rows, xa, lora_B, g, n, scaling).to(out_dtype)
 

@@ -31,7 +31,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import fast_launch
-from .constants import EPS
+from .constants import eps
 from .settings import compose_config, compose_tma_config, grad_config
 from .triton_common import cdiv, dot_acc, interpreting, launcher, round_to, traced_launch, unused_pointer
 
@@ -430,7 +430,7 @@ def grad_scale_dm_triton(
         dy, dy.stride(0), dy.stride(1),
         saved, saved.stride(0), saved.stride(1),
         g, n, bias if bias is not None else unused_pointer(g, traced),
-        T, d_out, EPS,
+        T, d_out, eps(),
     )
     constexprs = dict(
         FROM_OUTPUT=from_output, HAS_BIAS=bias is not None and from_output, FINAL_DM=final_dm, INTERPRET=interpreting(),

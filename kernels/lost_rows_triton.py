@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from . import fast_launch
-from .constants import EPS
+from .constants import eps
 from .triton_common import cdiv, interpreting, launcher, round_to, traced_launch
 
 BLOCK_T = 32
@@ -119,7 +119,7 @@ def dm_finish_triton(
         xa, xa.stride(0), xa.stride(1),
         lora_B, lora_B.stride(0), lora_B.stride(1),
         g, n,
-        P, dy.shape[0], x.shape[1], xa.shape[1], d_out, float(scaling), EPS,
+        P, dy.shape[0], x.shape[1], xa.shape[1], d_out, float(scaling), eps(),
     )
     constexprs = dict(INTERPRET=interpreting(), BLOCK_D=BLOCK_D, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K)
     grid = (cdiv(d_out, BLOCK_D),)

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
-from .constants import EPS
+from .constants import eps
 from .norm_torch import FactoredNorm
 from .settings import cublas_cross_pieces, gram_config, norm_reduce_config, rowdot_config
 from .triton_common import cdiv, dot_acc, interpreting, launcher, tracing, unused_pointer
@@ -408,7 +408,7 @@ def norm_finish(cross_part: torch.Tensor, sq: torch.Tensor, lora_part: torch.Ten
             sq, sq.stride(0), sq.shape[0],
             lora_part, lora_part.stride(0), lora_part.shape[0],
             magnitude if magnitude is not None else unused_pointer(sq, tracing()),
-            M, float(scaling), EPS,
+            M, float(scaling), eps(),
             WITH_G=magnitude is not None, BLOCK=block, num_warps=4,
         )
     return terms
@@ -464,7 +464,7 @@ def norm_from_u(weight_rows: torch.Tensor, U: torch.Tensor, lora_B: torch.Tensor
             lora_B, lora_B.stride(0), lora_B.stride(1),
             lora_part, lora_part.stride(0), lora_part.shape[0],
             magnitude if magnitude is not None else unused_pointer(lora_part, tracing()),
-            M, N, K, float(scaling), EPS,
+            M, N, K, float(scaling), eps(),
             WITH_G=magnitude is not None, PIECES=pieces, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps,
         )

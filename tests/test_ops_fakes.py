@@ -112,36 +112,39 @@ def test_a_symbolic_token_count_compiles_once():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="on CPU tensors a compiled layer takes the torch path (no doracheck op)")
-def test_a_compiled_layer_trains_over_varying_token_counts_with_one_graph():
-    """A DoRALinear's training forward and backward compiled with dynamic shapes, at token counts
-    on both sides of the decode tiles and of the TMA compose's threshold (on Hopper, T = 1030 at
-    r = 128 and d_out = 4096 takes it, kernels/settings.py): one graph, and the same
-    output and gradients as eager up to the rounding of the torch ops around the kernels (the
-    check is the graph count; the compile tests judge the numbers against the oracle)."""
+def test_compiled_layers_train_over_varying_token_counts_with_one_graph():
+    """Two DoRALinear layers (a graph applies the autograd Function twice, where a global float
+    once crashed dynamo) trained compiled with ``dynamic=True``, at token counts on both sides of
+    the decode tiles and of the TMA compose's threshold (on Hopper, T = 1030 at r = 128 and
+    d_out = 4096 takes it, kernels/settings.py): one graph, and the same output and gradients as
+    eager up to the rounding of the torch ops around the kernels (the check is the graph count;
+    the compile tests judge the numbers against the oracle)."""
     from torch._dynamo.utils import counters
 
     import doracheck
     from doracheck.reference import rel_l2
 
     torch.manual_seed(0)
-    layer = doracheck.DoRALinear.from_linear(torch.nn.Linear(1024, 4096, bias=True), r=128, lora_alpha=256)
-    layer = layer.to(device="cuda", dtype=torch.bfloat16)
+    model = torch.nn.Sequential(
+        doracheck.DoRALinear.from_linear(torch.nn.Linear(1024, 4096, bias=True), r=128, lora_alpha=256),
+        doracheck.DoRALinear.from_linear(torch.nn.Linear(4096, 1024, bias=False), r=128, lora_alpha=256),
+    ).to(device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
-        for p in layer.parameters():
+        for p in model.parameters():
             if p.requires_grad:
                 p.add_(torch.randn_like(p) * 0.05)
-    params = [p for p in layer.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(layer, dynamic=True, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(model, dynamic=True, backend="aot_eager", fullgraph=True)
     for T in (3, 16, 40, 300, 1030):
         x = torch.randn(T, 1024, device="cuda", dtype=torch.bfloat16)
-        dy = torch.randn(T, 4096, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(T, 1024, device="cuda", dtype=torch.bfloat16)
         results = []
-        for fn in (compiled, layer):
+        for fn in (compiled, model):
             xi = x.clone().requires_grad_()
             y = fn(xi)
-            results.append((y, *torch.autograd.grad(y, [xi, *params], dy)))
-        for name, a, b in zip(("y", "dx", *(n for n, p in layer.named_parameters() if p.requires_grad)), *results):
+            results.append((y, *torch.autograd.grad(y, [xi, *(p for _, p in named)], dy)))
+        for name, a, b in zip(("y", "dx", *(n for n, _ in named)), *results):
             assert rel_l2(a.float(), b.float()) <= 1e-2, (T, name)  # a few bf16 roundings (u = 2^-8), no more
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
