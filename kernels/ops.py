@@ -4,9 +4,8 @@ Each op is a functional ``torch.library.custom_op``: torch.compile and torch.exp
 one node, and a compiled graph calls it, which launches its kernels as eager code does
 (``_register`` says why not ``triton_op``; ``DORACHECK_TRACE_KERNELS=1`` brings that back).
 Each op's fake (meta) implementation allocates its outputs and computes nothing, so no tile
-choice becomes a guard on symbolic shapes (``_register`` says why); where the output's shape
-depends on the tiles (``grad_scale_dm``'s unsummed partials) it is the op's own body run with
-its launches skipped (``triton_common.shapes_only``).
+choice becomes a guard on symbolic shapes (``_register`` says why); ``grad_scale_dm``'s unsummed
+partials, one row per token block, take the block from ``settings.grad_config`` as the kernel does.
 
 In eager mode the functions below call the implementations directly (``call``): going
 through the dispatcher and ``wrap_triton`` costs about 0.2 ms of CPU per call, which would
@@ -32,9 +31,10 @@ Ops (namespace ``doracheck``):
 - ``lora_up_compose_save_z(base, xa, lora_B, g, bias?, scaling, base_has_bias) -> (y, z)``: also
   z = base + s·lora (with ``base_has_bias`` base is x·Wᵀ + b, as a PEFT base layer returns it)
 - ``lora_up_compose_dropout(base, base_dropped, xa, lora_B, g, bias?, scaling) -> (y, z_d)``
-- ``grad_scale_dm(dy, saved, g, n, bias?, from_output, final_dm, reduce) -> (dz, dm_sum or dm, or their partials)``
+- ``grad_scale_dm(dy, saved, g, n, bias?, from_output, final_dm, reduce) -> (dz, dm_sum or dm, or their partials)``;
+  the registered op returns the partials flat, (P·d_out,) (``_grad_scale_dm_flat_parts`` says why)
 - ``dm_finish(parts, dy, x, weight_rows, xa, lora_B, g, n, scaling, out_dtype) -> dm``: the partial
-  sums added up, the features whose z the saved output lost (g = 0, n >= eps) recomputed, in
+  sums ((P, d_out), or flat from the registered ``grad_scale_dm``) added up, the features whose z the saved output lost (g = 0, n >= eps) recomputed, in
   ``out_dtype``
 """
 
@@ -53,7 +53,8 @@ from .compose_triton import grad_scale_dm_triton, lora_up_compose_triton
 from .lost_rows_triton import dm_finish_triton
 from .norm_graphs import graphed_norm
 from .norm_triton import norm_terms
-from .triton_common import shapes_only, tracing
+from .settings import grad_config
+from .triton_common import tracing
 
 _TRACE_KERNELS = os.environ.get("DORACHECK_TRACE_KERNELS", "0") == "1"  # read once, at registration (``_register``)
 
@@ -157,6 +158,27 @@ def _dm_finish(
     return dm_finish_triton(parts, dy, x, weight_rows, xa, lora_B, g, n, scaling, out_dtype)
 
 
+# The registered forms of the two: the unsummed partials travel flat, (P·d_out,), not (P, d_out).
+# P is the number of token blocks, ceil(T / block); with a symbolic T torch's contiguity check of
+# a (P, d_out) tensor guards on P == 1 (a size-1 dimension's stride is ignored), so a compiled
+# graph recompiled between T <= block and T > block (seen on the H200: two graphs over T = 3..1030,
+# block 64). A flat length P·d_out is never 1 (d_out >= 2 is static), so no guard.
+def _grad_scale_dm_flat_parts(
+    dy: torch.Tensor, saved: torch.Tensor, g: torch.Tensor, n: torch.Tensor, bias: torch.Tensor | None, from_output: bool,
+    final_dm: bool = False, reduce: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dz, sums = _grad_scale_dm(dy, saved, g, n, bias, from_output, final_dm, reduce)
+    return dz, (sums if reduce else sums.reshape(-1))
+
+
+def _dm_finish_flat_parts(
+    parts: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, weight_rows: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor,
+    g: torch.Tensor, n: torch.Tensor, scaling: float, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    rows = parts.view(-1, g.shape[0]) if parts.dim() == 1 else parts
+    return dm_finish_triton(rows, dy, x, weight_rows, xa, lora_B, g, n, scaling, out_dtype)
+
+
 def launch_device(args) -> int | None:
     """The CUDA device the eager launches of a call on ``args`` must be made on, where it is not
     the current device (else None): the first tensor's. Triton launches on the *current* device
@@ -204,14 +226,15 @@ def _compose_pair_fake(base, *_args):
 
 
 def _grad_scale_dm_fake(dy, saved, g, n, bias, from_output, final_dm=False, reduce=True):
-    if not reduce:  # the partials' rows are the kernel's token blocks: the body, its launches skipped
-        with shapes_only():
-            return _grad_scale_dm(dy, saved, g, n, bias, from_output, final_dm, reduce)
-    return torch.empty_like(dy), dy.new_empty(dy.shape[1], dtype=torch.float32)
+    T, d_out = dy.shape
+    if not reduce:  # one row of partials per token block of the kernel's tiles (one zero row when T = 0), flat
+        blocks = torch.sym_max(-(-T // grad_config(T, d_out).block_t), 1)
+        return torch.empty_like(dy), dy.new_empty(blocks * d_out, dtype=torch.float32)
+    return torch.empty_like(dy), dy.new_empty(d_out, dtype=torch.float32)
 
 
 def _dm_finish_fake(parts, dy, x, weight_rows, xa, lora_B, g, n, scaling, out_dtype):
-    return parts.new_empty(parts.shape[1], dtype=out_dtype)
+    return parts.new_empty(g.shape[0], dtype=out_dtype)
 
 
 def _register(name: str, body: Callable[..., Any], fake: Callable[..., Any]):
@@ -250,8 +273,8 @@ factored_norm_op = _register("factored_norm", _factored_norm, _factored_norm_fak
 lora_up_compose_op = _register("lora_up_compose", _lora_up_compose, _compose_fake)
 lora_up_compose_save_z_op = _register("lora_up_compose_save_z", _lora_up_compose_save_z, _compose_pair_fake)
 lora_up_compose_dropout_op = _register("lora_up_compose_dropout", _lora_up_compose_dropout, _compose_pair_fake)
-grad_scale_dm_op = _register("grad_scale_dm", _grad_scale_dm, _grad_scale_dm_fake)
-dm_finish_op = _register("dm_finish", _dm_finish, _dm_finish_fake)
+grad_scale_dm_op = _register("grad_scale_dm", _grad_scale_dm_flat_parts, _grad_scale_dm_fake)
+dm_finish_op = _register("dm_finish", _dm_finish_flat_parts, _dm_finish_fake)
 
 _EAGER: dict[str, Callable[..., Any]] = {
     "factored_norm": _factored_norm_eager,

@@ -7,9 +7,7 @@ and upcast their operands to fp32 there. On a GPU the operands stay in their dty
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 
 import torch
 import triton
@@ -32,52 +30,20 @@ def interpreting() -> bool:
 
 def launcher(kernel, traced: bool | None = None):
     """``kernel`` itself in eager, ``wrap_triton(kernel)`` while tracing (``traced``: the
-    caller's own ``tracing()`` answer, so a launch asks it once), and a launcher that launches
-    nothing inside ``shapes_only`` (a registered op's fake implementation).
+    caller's own ``tracing()`` answer, so a launch asks it once). A registered op's fake
+    implementation never reaches a launcher: it only allocates (kernels/ops.py).
 
     Measured and not kept: launching a hit of a kernel's own cache of compiled kernels directly
     (a Python key over every argument instead of triton's binder) cost as much host time as
     ``JITFunction.run`` on the H200 host with triton 3.6 (cProfile of the model step: 115 µs
     against 88 µs per launch; one layer's T = 1 train call 1839 against 1871 µs, within noise)."""
-    if getattr(_shapes, "only", False):  # first: a fake on meta tensors is not "tracing"
-        return _NO_LAUNCH
     return wrap_triton(kernel) if (tracing() if traced is None else traced) else kernel
 
 
 def traced_launch() -> bool:
     """Whether a launcher must take its traced form (``launcher(kernel, True)``): while tracing,
-    and inside ``shapes_only`` (a fake implementation, meta tensors included), where the eager
-    launch paths (``fast_launch``, the TMA compose) must not run either."""
-    return getattr(_shapes, "only", False) or tracing()
-
-
-class _NoLaunch:
-    """``launcher``'s answer inside ``shapes_only``: ``[grid](...)`` does nothing."""
-
-    def __getitem__(self, grid):
-        return _no_launch
-
-
-def _no_launch(*args, **kwargs) -> None:
-    return None
-
-
-_NO_LAUNCH = _NoLaunch()
-_shapes = threading.local()
-
-
-@contextlib.contextmanager
-def shapes_only():
-    """Within it, no kernel is launched (``launcher``, ``traced_launch``): a registered op's fake
-    implementation runs its own body for the output shapes and dtypes (kernels/ops.py), and on
-    fake or meta tensors a launch has nothing to compute. Under the interpreter ``wrap_triton`` returns the interpreted kernel,
-    which would run on the fake tensors' missing data; on a GPU it would only record the launch."""
-    before = getattr(_shapes, "only", False)
-    _shapes.only = True
-    try:
-        yield
-    finally:
-        _shapes.only = before
+    where the eager launch paths (``fast_launch``, the TMA compose) must not run either."""
+    return tracing()
 
 
 def unused_pointer(like: torch.Tensor, traced: bool) -> torch.Tensor:

@@ -63,6 +63,8 @@ def _calls(T: int) -> dict[str, tuple]:
         "grad_scale_dm_partials": (ops.grad_scale_dm.default, (t["dy"], t["base"], t["g"], t["n"], None, False, False, False)),
         "dm_finish": (ops.dm_finish.default, (t["parts"], t["dy"], t["x"], t["W"], t["xa"], t["B"], t["g"], t["n"], S,
                                               torch.bfloat16)),
+        "dm_finish_flat_parts": (ops.dm_finish.default, (t["parts"].reshape(-1), t["dy"], t["x"], t["W"], t["xa"], t["B"],
+                                                         t["g"], t["n"], S, torch.bfloat16)),
     }
 
 
@@ -108,6 +110,46 @@ def test_a_symbolic_token_count_compiles_once():
         got, want = compiled(*(a.clone() for a in args)), step(*(a.clone() for a in args))
         for a, b in zip(got, want):
             assert torch.equal(a, b), T
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU runs the next test, on CUDA tensors")
+def test_compiled_layers_on_the_triton_path_train_over_varying_token_counts_with_one_graph(monkeypatch):
+    """The next test's model, small, on the CPU with the Triton path taken while tracing (on CPU
+    tensors a compiled graph would take the torch path): the backward's registered ops return
+    the dm partials flat, so no guard on the number of token blocks being one (a (P, d_out)
+    tensor's contiguity check made T <= 16 and T > 16 two graphs here, T <= 64 and T > 64 on the
+    H200); one graph over T = 3..300 with ``dynamic=True``."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.utils import counters
+
+    import doracheck
+    from doracheck import dispatch
+
+    monkeypatch.setattr(dispatch, "choose_path", lambda device: dispatch.PathChoice("triton", "test: the kernels"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        doracheck.DoRALinear.from_linear(torch.nn.Linear(24, 40, bias=True), r=8, lora_alpha=16),
+        doracheck.DoRALinear.from_linear(torch.nn.Linear(40, 24, bias=False), r=8, lora_alpha=16),
+    ).to(dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    params = [p for p in model.parameters() if p.requires_grad]
+    targets: set[str] = set()
+
+    def record(gm, _inputs):
+        targets.update(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, dynamic=True, fullgraph=True, backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+    for T in (3, 16, 40, 300):
+        x = torch.randn(T, 24, dtype=torch.bfloat16, requires_grad=True)
+        torch.autograd.grad(compiled(x), [x, *params], torch.randn(T, 24, dtype=torch.bfloat16))
+    assert {"doracheck.grad_scale_dm.default", "doracheck.dm_finish.default"} <= targets, sorted(targets)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
