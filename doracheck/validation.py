@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from typing import NamedTuple
 
 import torch
@@ -32,7 +33,10 @@ def _require_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> Non
 def check_scaling(scaling) -> float:
     if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real):
         raise ValueError(f"scaling: expected a real number (lora_alpha / r), got {type(scaling).__name__}")
-    value = float(scaling)
+    try:
+        value = float(scaling)
+    except OverflowError:  # an int or Fraction beyond fp64's range (10**400): not finite as a float
+        raise ValueError("scaling: expected a finite number, got a value beyond float64's range") from None
     if not math.isfinite(value):
         raise ValueError(f"scaling: expected a finite number, got {value}")
     return value
@@ -87,7 +91,7 @@ def _plainly_valid(x, weight, lora_A, lora_B, magnitude, scaling, bias, dropout_
         and magnitude.shape == (d_out,)
         and x.device == dev and lora_A.device == dev and lora_B.device == dev and magnitude.device == dev
         and (bias is None or (bias.dtype in F and bias.shape == (d_out,) and bias.device == dev))
-        and type(scaling) in (float, int) and abs(scaling) < math.inf and type(dropout_p) in (float, int)
+        and type(scaling) in (float, int) and abs(scaling) <= sys.float_info.max and type(dropout_p) in (float, int)
         and 0.0 <= dropout_p < 1.0
     )
 

@@ -175,7 +175,13 @@ def _dm_finish_flat_parts(
     parts: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, weight_rows: torch.Tensor, xa: torch.Tensor, lora_B: torch.Tensor,
     g: torch.Tensor, n: torch.Tensor, scaling: float, out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    rows = parts.view(-1, g.shape[0]) if parts.dim() == 1 else parts
+    d_out = g.shape[0]
+    if parts.dim() == 2:
+        rows = parts
+    elif d_out > 0:
+        rows = parts.view(-1, d_out)  # (P·d_out,) -> (P, d_out)
+    else:  # no output features: no row length to split by (view(-1, 0) raises), and nothing to sum
+        rows = parts.view(0, 0)
     return dm_finish_triton(rows, dy, x, weight_rows, xa, lora_B, g, n, scaling, out_dtype)
 
 

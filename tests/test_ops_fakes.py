@@ -88,6 +88,24 @@ def test_each_fake_matches_its_op(name, T):
     assert all(f.device.type == "meta" for f in fake)
 
 
+def test_no_output_features_pass_partials_from_grad_scale_dm_to_dm_finish():
+    """d_out = 0: grad_scale_dm's flat partials are (0,), and dm_finish takes them (there is no
+    row length to split a flat buffer by) and returns an empty dm; real and fake agree."""
+    T, d_in = 5, D_IN
+    dy = torch.randn(T, 0).to(torch.bfloat16).to(DEVICE)
+    empty = torch.empty(0, dtype=torch.float32, device=DEVICE)
+    x = torch.randn(T, d_in).to(torch.bfloat16).to(DEVICE)
+    W = torch.empty(0, d_in, dtype=torch.bfloat16, device=DEVICE)
+    xa = torch.randn(T, R).to(torch.bfloat16).to(DEVICE)
+    B = torch.empty(0, R, dtype=torch.bfloat16, device=DEVICE)
+    ops = torch.ops.doracheck
+    for args_of in (lambda t: t, lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t):
+        dz, parts = ops.grad_scale_dm.default(*map(args_of, (dy, dy, empty, empty, None, False, False, False)))
+        assert dz.shape == (T, 0) and parts.shape == (0,)
+        dm = ops.dm_finish.default(*map(args_of, (parts, dy, x, W, xa, B, empty, empty, S, torch.bfloat16)))
+        assert dm.shape == (0,) and dm.dtype == torch.bfloat16
+
+
 def test_a_symbolic_token_count_compiles_once():
     """Forward compose and backward dz/dm at token counts across the tile buckets (T <= 16 takes
     the decode tiles on a GPU; past one token block the dm partials are summed): one graph with

@@ -465,6 +465,10 @@ BAD_ARGUMENTS = [
     ({"scaling": None}, r"scaling: expected a real number.*got NoneType"),
     ({"scaling": True}, r"scaling: expected a real number.*got bool"),
     ({"scaling": float("nan")}, r"scaling: expected a finite number, got nan"),
+    ({"scaling": float("inf")}, r"scaling: expected a finite number, got inf"),
+    ({"scaling": -float("inf")}, r"scaling: expected a finite number, got -inf"),
+    # an int past fp64's range: the fast path's bound check must send it to the full check
+    ({"scaling": 10**400}, r"scaling: expected a finite number, got a value beyond float64's range"),
     ({"scaling": torch.tensor([1.0, 2.0])}, r"scaling: expected a real number.*got Tensor"),
     ({"dropout_p": 1.0}, r"dropout_p: expected 0 <= p < 1, got 1\.0"),
     ({"dropout_p": -0.1}, r"dropout_p: expected 0 <= p < 1, got -0\.1"),
