@@ -85,11 +85,12 @@ def main() -> int:
         host, elapsed = _steps(step, args.steps)
         gc.enable()
         bound = sum(h >= 0.9 * e for h, e in zip(host, elapsed)) / len(host)
+        es, hs = sorted(elapsed), sorted(host)  # quantile() reads sorted lists
         row = {
             "impl": args.impl, "label": args.label, "gc": "on" if gc_on else "off", "steps": args.steps,
-            "elapsed_ms": round(quantile(elapsed, 0.5), 3), "elapsed_p20": round(quantile(elapsed, 0.2), 3),
-            "elapsed_p80": round(quantile(elapsed, 0.8), 3), "host_ms": round(quantile(host, 0.5), 3),
-            "host_p20": round(quantile(host, 0.2), 3), "host_p80": round(quantile(host, 0.8), 3),
+            "elapsed_ms": round(quantile(es, 0.5), 3), "elapsed_p20": round(quantile(es, 0.2), 3),
+            "elapsed_p80": round(quantile(es, 0.8), 3), "host_ms": round(quantile(hs, 0.5), 3),
+            "host_p20": round(quantile(hs, 0.2), 3), "host_p80": round(quantile(hs, 0.8), 3),
             "host_bound_share": round(bound, 2), "cpu": _cpu(), "affinity": len(os.sched_getaffinity(0)),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         }

@@ -27,6 +27,7 @@ from doracheck import autograd as dora_autograd
 from doracheck import backward as backward_pass
 from doracheck import dispatch, norm_cache, numerics
 from doracheck import forward as forward_pass
+from doracheck.autograd import PlannedFromBaseFunction
 from doracheck.kernels import norm_graphs, ops
 from doracheck.kernels.compose_torch import magnitude_scale
 from doracheck.kernels.compose_triton import grad_scale_dm_triton, lora_up_compose_triton
@@ -73,6 +74,21 @@ def profiler_table(fn: Callable[[], object], calls: int, sync: Callable[[], None
             fn()
         sync()
     return torch_prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)
+
+
+class _DirtyIdentity(torch.autograd.Function):
+    """An autograd Function that rewrites its first input in place (``mark_dirty``), as the
+    from-base Functions do with ``result``, saving two tensors: the machinery's cost alone."""
+
+    @staticmethod
+    def forward(ctx, result, x):
+        ctx.save_for_backward(x, None)
+        ctx.mark_dirty(result)
+        return result
+
+    @staticmethod
+    def backward(ctx, dy):
+        return None, dy[..., : ctx.saved_tensors[0].shape[-1]]
 
 
 class _Identity(torch.autograd.Function):
@@ -137,6 +153,13 @@ def main() -> int:
         train_forward().backward(dy)
         x.grad = A.grad = B.grad = m.grad = None
 
+    def planned_forward():  # what a training plan runs (doracheck.integrations.peft_train)
+        return PlannedFromBaseFunction.apply(F.linear(x, W), x, W, A, B, m, None, s, backend)
+
+    def planned_step():
+        planned_forward().backward(dy)
+        x.grad = A.grad = B.grad = m.grad = None
+
     def train_step_frozen_x():  # no dx wanted (the first layer of a model)
         dora_autograd.dora_from_base(x_frozen, F.linear(x_frozen, W), W, A, B, m, None, s).backward(dy)
         A.grad = B.grad = m.grad = None
@@ -170,10 +193,14 @@ def main() -> int:
             pass
 
     rows: list[tuple[str, Callable[[], object]]] = [
-        ("F.linear(x, W) alone", lambda: F.linear(x, W)),
+        ("F.linear(x, W) alone", lambda: F.linear(x2, W)),
         ("training forward (dora_from_base, recorded)", train_forward),
         ("training forward + backward", train_step),
         ("  the same, x frozen (no dx)", train_step_frozen_x),
+        ("planned forward (PlannedFromBaseFunction, a plan's call)", planned_forward),
+        ("planned forward + backward", planned_step),
+        ("F.linear(x, W), x requiring grad (recorded)", lambda: F.linear(x, W)),
+        ("Function apply, mark_dirty + save (no work)", lambda: _DirtyIdentity.apply(F.linear(x, W), x)),
         ("  the same, torch.autograd.grad", grad_only),
         ("LoRA-style layer forward + backward", lora_step),
         ("inference forward (no_grad)", infer),
@@ -220,10 +247,10 @@ def main() -> int:
         print(lines[-1], flush=True)
     lines.append(f"norm graphs: {norm_graphs.stats()}")
     if cuda:  # where the forward + backward's host time goes, op by op (autograd nodes included)
-        lines.append(f"== torch.profiler over {args.n} forward + backward calls, by self CPU")
-        lines.append(profiler_table(train_step, args.n, sync, "self_cpu_time_total", 40))
-    lines.append(f"== cProfile of {4 * args.n} forward + backward calls, by own time")
-    lines.append(cprofile_text(train_step, 4 * args.n, sync, "tottime", 35))
+        lines.append(f"== torch.profiler over {args.n} planned forward + backward calls, by self CPU")
+        lines.append(profiler_table(planned_step, args.n, sync, "self_cpu_time_total", 40))
+    lines.append(f"== cProfile of {4 * args.n} planned forward + backward calls, by own time")
+    lines.append(cprofile_text(planned_step, 4 * args.n, sync, "tottime", 35))
     print_report(lines, args.out)
     return 0
 
