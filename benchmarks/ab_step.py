@@ -4,7 +4,9 @@ configurations are compared only within one process, round by round.
 
 Configurations: ``lora`` (PEFT LoRA, bf16 adapters) and ``dc:graphs=G,chunk=C`` (doracheck on
 the same PEFT DoRA model, CUDA-graph norm replays on (1) or off (0), backward chunk budget C MiB,
-``plans=0`` without the layers' training plans, ``doracheck.integrations.peft_train``);
+``plans=0`` without the layers' training plans, ``doracheck.integrations.peft_train``;
+``tma=0`` the compose's pointer kernel at every shape instead of the persistent TMA kernel,
+``settings.compose_tma_config``: its host descriptors cost host time per launch);
 either with ``mt=0`` runs its backward on the calling thread (``set_multithreading_enabled(False)``).
 Each round runs every configuration for ``--steps`` timed steps after one untimed step; the
 row is the median over all rounds (CUDA events), with the host CPU time per step (process CPU
@@ -28,6 +30,8 @@ from row_csv import RowWriter
 from doracheck.integrations import peft_train
 from doracheck.kernels import norm_graphs, settings
 from doracheck.timing import quantile
+
+TMA_MIN_TOKENS = settings.COMPOSE_TMA_MIN_TOKENS
 
 
 def parse_configs(text: str) -> list[tuple[str, dict]]:
@@ -76,6 +80,7 @@ def main(argv=None) -> int:
         os.environ["DORACHECK_NORM_GRAPHS"] = c.get("graphs", "1")
         settings.BACKWARD_CHUNK_BYTES = int(float(c.get("chunk", "16")) * 2**20)
         peft_train.ENABLED = c.get("plans", "1") == "1"
+        settings.COMPOSE_TMA_MIN_TOKENS = TMA_MIN_TOKENS if c.get("tma", "1") == "1" else 1 << 62
 
     cuda = args.device == "cuda"
 
