@@ -62,6 +62,24 @@ def build(impl: str, args, checkpointing: bool = True):
     return model
 
 
+def compiled_train_step(impl: str, args):
+    """One training step of ``impl``'s model (``build``, no checkpointing) under ``torch.compile``:
+    forward, backward, AdamW ``step()`` (fused on CUDA), ``zero_grad``. Returns the step callable."""
+    model = build(impl, args, checkpointing=False)
+    ids = torch.randint(0, 32000, (1, args.seq), generator=torch.Generator().manual_seed(1)).to(args.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=args.device == "cuda")
+    run = torch.compile(model)
+    model.train()
+
+    def step():
+        run(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
 def timed(fn, reps: int, device: str = "cuda"):
     """Median ms over ``reps`` calls: CUDA events on a GPU, perf_counter on the CPU (smoke runs)."""
     times = []

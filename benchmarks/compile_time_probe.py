@@ -51,19 +51,9 @@ def main(argv=None) -> int:
     cache_root = None if args.warm else _cold_caches()
 
     import torch
-    from bench_model import _sync, build
+    from bench_model import _sync, compiled_train_step
 
-    model = build(args.impl, args, checkpointing=False)
-    ids = torch.randint(0, 32000, (1, args.seq), generator=torch.Generator().manual_seed(1)).to(args.device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-5, fused=args.device == "cuda")
-    run = torch.compile(model)
-    model.train()
-
-    def step():
-        run(ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    step = compiled_train_step(args.impl, args)
 
     prof = None
     if args.cprofile:

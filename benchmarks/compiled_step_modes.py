@@ -23,7 +23,7 @@ import os
 import time
 
 import torch
-from bench_model import build
+from bench_model import compiled_train_step
 from llama_model import add_llama_args
 from row_csv import RowWriter
 
@@ -63,16 +63,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=0)
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    model = build(args.impl, args, checkpointing=False)
-    ids = torch.randint(0, 32000, (1, args.seq), generator=torch.Generator().manual_seed(1)).to("cuda")
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
-    run = torch.compile(model)
-    model.train()
-
-    def step():
-        run(ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    step = compiled_train_step(args.impl, args)
 
     for _ in range(3):
         step()

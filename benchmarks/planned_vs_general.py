@@ -17,28 +17,14 @@ import argparse
 import cProfile
 import io
 import pstats
-import time
 
 import torch
 import torch.nn.functional as F
+from host_breakdown import host_us
 from row_csv import print_report
 
 from doracheck import dispatch
 from doracheck.autograd import PlannedFromBaseFunction, dora_from_base
-
-
-def host_us(fn, n: int) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    batches = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        batches.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return sorted(batches)[1]
 
 
 def main() -> int:
@@ -78,11 +64,11 @@ def main() -> int:
         return run
 
     lines = [f"# planned_vs_general.py, {torch.cuda.get_device_name()}, torch {torch.__version__}; d {d}, r {r}, T {T}, "
-             f"bf16; host µs per call, median of 3 batches of {args.n}, rows alternating"]
+             f"bf16; host µs per call, median of 5 batches of {args.n}, rows alternating"]
     for i in range(args.rounds):
         for name, fn in (("general forward", general), ("planned forward", planned),
                          ("general forward + backward", step(general)), ("planned forward + backward", step(planned))):
-            lines.append(f"round {i} {name:28s} {host_us(fn, args.n):8.1f}")
+            lines.append(f"round {i} {name:28s} {host_us(fn, args.n, torch.cuda.synchronize):8.1f}")
             print(lines[-1], flush=True)
     for name, fn in (("general forward", general), ("planned forward", planned)):
         prof = cProfile.Profile()
