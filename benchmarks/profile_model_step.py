@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 
 import torch
 from bench_model import build
@@ -32,7 +33,7 @@ def _summary(prof, steps: int) -> dict:
                     "cpu_total_us_per_call": e.cpu_time_total / max(e.count, 1)}
             for e in events if "DoRA" in e.key or "doracheck" in e.key}
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
-    top_gpu = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:25]
+    top_gpu = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:80]
     return {"host_cpu_ms_per_step": cpu_us / steps / 1e3, "gpu_kernel_ms_per_step": gpu_us / steps / 1e3,
             "launches_per_step": launches / steps, "dora_functions": dora,
             "top_self_cpu": [(e.key, round(e.self_cpu_time_total / steps / 1e3, 3), e.count // steps) for e in top],
@@ -59,11 +60,21 @@ def profile_impl(impl: str, args) -> dict:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    step_ms = []
+    for _ in range(args.time_steps):  # unprofiled, to tell which mode this process is in
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        step_ms.append(start.elapsed_time(end))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             step()
         torch.cuda.synchronize()
     out = {"impl": impl, "mode": args.mode, **_summary(prof, args.steps)}
+    if step_ms:
+        out["step_ms_median"] = round(statistics.median(step_ms), 3)
     if args.mode == "compiled":
         out["graph_breaks"] = dict(counters["graph_break"])
         out["recompiles"] = sum(counters["recompiles"].values()) if "recompiles" in counters else 0
@@ -86,13 +97,16 @@ def main(argv=None) -> int:
     ap.add_argument("--top-gpu", type=int, default=12, help="how many kernels to print by GPU time")
     ap.add_argument("--new-tokens", type=int, default=0)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--time-steps", type=int, default=0, help="first time this many unprofiled steps (CUDA events): "
+                    "the row's step_ms_median, which mode a process is in (kernel_mode_diff.py)")
     add_llama_args(ap)
     args = ap.parse_args(argv)
     rows = []
     for impl in args.impls.split(","):
         row = profile_impl(impl, args)
         rows.append(row)
-        print(f"== {impl} {args.mode}: host CPU {row['host_cpu_ms_per_step']:.1f} ms/step, GPU kernels "
+        timed_note = f", {row['step_ms_median']} ms a step unprofiled" if "step_ms_median" in row else ""
+        print(f"== {impl} {args.mode}{timed_note}: host CPU {row['host_cpu_ms_per_step']:.1f} ms/step, GPU kernels "
               f"{row['gpu_kernel_ms_per_step']:.1f} ms/step, {row['launches_per_step']:.0f} launches/step", flush=True)
         for name, d in row["dora_functions"].items():
             print(f"   {name}: {d['calls_per_step']:.0f} calls/step, self CPU {d['self_cpu_us_per_call']:.0f} us/call, "
