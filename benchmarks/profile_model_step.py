@@ -16,10 +16,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 
 import torch
-from bench_model import build
+from bench_model import build, timed
 from llama_model import add_llama_args
 from torch.profiler import ProfilerActivity, profile
 
@@ -60,21 +59,15 @@ def profile_impl(impl: str, args) -> dict:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    step_ms = []
-    for _ in range(args.time_steps):  # unprofiled, to tell which mode this process is in
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        step_ms.append(start.elapsed_time(end))
+    # unprofiled, to tell which mode this process is in
+    step_median = timed(step, args.time_steps, args.device)[0] if args.time_steps > 0 else None
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             step()
         torch.cuda.synchronize()
     out = {"impl": impl, "mode": args.mode, **_summary(prof, args.steps)}
-    if step_ms:
-        out["step_ms_median"] = round(statistics.median(step_ms), 3)
+    if step_median is not None:
+        out["step_ms_median"] = round(step_median, 3)
     if args.mode == "compiled":
         out["graph_breaks"] = dict(counters["graph_break"])
         out["recompiles"] = sum(counters["recompiles"].values()) if "recompiles" in counters else 0
