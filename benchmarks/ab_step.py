@@ -6,7 +6,8 @@ Configurations: ``lora`` (PEFT LoRA, bf16 adapters) and ``dc:graphs=G,chunk=C`` 
 the same PEFT DoRA model, CUDA-graph norm replays on (1) or off (0), backward chunk budget C MiB,
 ``plans=0`` without the layers' training plans, ``doracheck.integrations.peft_train``;
 ``bare=1`` the planned call replaced by ``bare_layer_probe.BareFunction`` (a yardstick of the
-same GPU work without the library's Python; not correct in general); ``tma=0`` the compose's pointer kernel at every shape instead of the persistent TMA kernel,
+same GPU work without the library's Python; not correct in general; ``bare=fwd`` / ``bare=bwd``
+only that pass bare); ``tma=0`` the compose's pointer kernel at every shape instead of the persistent TMA kernel,
 ``settings.compose_tma_config``: its host descriptors cost host time per launch);
 either with ``mt=0`` runs its backward on the calling thread (``set_multithreading_enabled(False)``).
 Each round runs every configuration for ``--steps`` timed steps after one untimed step; the
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
         settings.BACKWARD_CHUNK_BYTES = int(float(c.get("chunk", "16")) * 2**20)
         peft_train.ENABLED = c.get("plans", "1") == "1"
         settings.COMPOSE_TMA_MIN_TOKENS = TMA_MIN_TOKENS if c.get("tma", "1") == "1" else 1 << 62
-        bare_layer_probe.install(c.get("bare", "0") == "1")
+        bare_layer_probe.install(c.get("bare", "0"))
 
     cuda = args.device == "cuda"
 
