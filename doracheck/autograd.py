@@ -62,8 +62,9 @@ def _save(ctx, saved: Saved, a: LayerArgs, lead: tuple, held: tuple | None = Non
     ctx.lead = lead
 
 
-def _restore(ctx) -> tuple[Saved, LayerArgs]:
-    tensors = ctx.saved_tensors
+def _check_versions(ctx) -> None:
+    """Refuse parameters held on the ctx that were written in place since the forward (as
+    autograd refuses saved tensors)."""
     for name, t, version in zip(_PARAM_NAMES, ctx.params, ctx.param_versions):
         if t is not None and t._version != version:
             raise RuntimeError(
@@ -71,6 +72,11 @@ def _restore(ctx) -> tuple[Saved, LayerArgs]:
                 f"{t._version}, expected {version}), so the gradient would be wrong; clone it before modifying it, "
                 "or modify it after the backward"
             )
+
+
+def _restore(ctx) -> tuple[Saved, LayerArgs]:
+    tensors = ctx.saved_tensors
+    _check_versions(ctx)
     params = tuple(h if h is not None else t for h, t in zip(ctx.params, tensors[SAVED_TENSORS:]))
     return Saved.rebuild(tensors, ctx.flags), LayerArgs(*params, *ctx.settings)
 
@@ -188,23 +194,38 @@ class PlannedFromBaseFunction(torch.autograd.Function):
     """``DoRAFromBaseFunction`` for the one call a training plan covers
     (``doracheck.integrations.peft_train``): the first active adapter of a frozen, unbiased or
     biased base layer, no dropout, ``fan_in_fan_out`` off, eager (nothing traces), autocast off,
-    every parameter a module ``nn.Parameter``. The same forward (``forward.from_base_forward``,
-    ``result`` rewritten in place), the same record and the same backward; what the plan already
-    checked is not asked again, and the Function takes eight arguments instead of thirteen."""
+    every parameter a module ``nn.Parameter``. ``forward.planned_forward`` and
+    ``backward.planned_backward``: the general path's operations for such a call in straight-line
+    code, so bitwise its output and gradients (tests/test_train_plan.py), with five saved
+    tensors (x2, x·Aᵀ, the output or z, g, n) and the parameters held on the ctx with their
+    versions, as ``_save`` holds module parameters. The eager training step is host-bound, and
+    the general path's record and questions cost host time at every layer call (issue 17)."""
 
     @staticmethod
     def forward(ctx, result, x, weight, lora_A, lora_B, magnitude, bias, scaling, backend):
         a = LayerArgs(weight, lora_A, lora_B, magnitude, bias, scaling)
         with our_numerics(result.device.type):
-            out, saved = forward_pass.from_base_forward(result, x, a, None, backend, need_saved=True)
+            x2, xa, h, g, n, from_output = forward_pass.planned_forward(result, x, a, backend)
         ctx.mark_dirty(result)
-        _save(ctx, saved, a, x.shape[:-1], held=(weight, lora_A, lora_B, magnitude, bias))
-        ctx.result_is_base = True
-        return out
+        ctx.save_for_backward(x2, xa, h, g, n)
+        ctx.params = (weight, lora_A, lora_B, magnitude, bias)
+        ctx.param_versions = (weight._version, lora_A._version, lora_B._version, magnitude._version,
+                              None if bias is None else bias._version)
+        ctx.planned = (a, backend, from_output, x.shape[:-1])
+        return result
 
     @staticmethod
     def backward(ctx, dy):
-        return (*_from_base_grads(ctx, dy), None, None)
+        norm_cache.note_backward()
+        x2, xa, h, g, n = ctx.saved_tensors
+        _check_versions(ctx)
+        a, backend, from_output, lead = ctx.planned
+        need = ctx.needs_input_grad  # result, x, weight, lora_A, lora_B, magnitude, bias, ...
+        with our_numerics(dy.device.type):
+            dx, _dW, dA, dB, dm, db = backward_pass.planned_backward(
+                dy, x2, xa, h, g, n, a, backend, from_output, lead, Need(need[1], False, need[3], need[4], need[5], need[6])
+            )
+        return None, dx, None, dA, dB, dm, db, None, None
 
 
 def _through_result(dy2: torch.Tensor, saved: Saved, db: torch.Tensor | None):

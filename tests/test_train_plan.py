@@ -93,6 +93,25 @@ def test_training_with_plans_is_bitwise_training_without(plan_runs, plans_kept, 
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("chunk_bytes,fold_bytes", [(1, 4 * 2**20), (300, 1)], ids=["token_chunks", "chunks_folded"])
+def test_chunked_backward_with_plans_is_bitwise_without(plan_runs, monkeypatch, dtype, chunk_bytes, fold_bytes):
+    """The planned backward's token chunks (``backward.planned_backward``): one token a chunk, or
+    uneven chunks with the dm partials folded after every chunk; fp32 runs the prescaled pass
+    (dz·B, dB and dx's low-rank term over all tokens at once), bf16 on the CPU the per-chunk one."""
+    from doracheck import backward
+    from doracheck.kernels import settings
+
+    monkeypatch.setattr(settings, "BACKWARD_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(backward, "_DM_PARTS_BYTES", fold_bytes)
+    with use_path("torch"):
+        want_losses, want = _trained(False, 2, dtype=dtype)
+        got_losses, got = _trained(True, 2, dtype=dtype)
+    assert plan_runs and all(plan_runs)
+    assert torch.equal(got_losses, want_losses)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter run (the GPU tests cover CUDA)")
 def test_training_with_plans_is_bitwise_without_them_on_the_triton_kernels(plan_runs):
     pytest.importorskip("triton")
