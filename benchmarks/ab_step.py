@@ -7,7 +7,7 @@ the same PEFT DoRA model, CUDA-graph norm replays on (1) or off (0), backward ch
 ``plans=0`` without the layers' training plans, ``doracheck.integrations.peft_train``;
 ``bare=1`` the planned call replaced by ``bare_layer_probe.BareFunction`` (a yardstick of the
 same GPU work without the library's Python; not correct in general; ``bare=fwd`` / ``bare=bwd``
-only that pass bare); ``tma=0`` the compose's pointer kernel at every shape instead of the persistent TMA kernel,
+only that pass bare; ``bare=general`` the planned call as it was before the straight-line one); ``tma=0`` the compose's pointer kernel at every shape instead of the persistent TMA kernel,
 ``settings.compose_tma_config``: its host descriptors cost host time per launch);
 either with ``mt=0`` runs its backward on the calling thread (``set_multithreading_enabled(False)``).
 Each round runs every configuration for ``--steps`` timed steps after one untimed step; the

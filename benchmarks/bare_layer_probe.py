@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from doracheck import autograd as dc_autograd
 from doracheck import planner
+from doracheck.forward import from_base_forward
 from doracheck.integrations import peft_train
-from doracheck.kernels.backends import by_name
 from doracheck.layer_state import LayerArgs, Saved
 from doracheck.numerics import our_numerics
 
@@ -115,20 +115,40 @@ class BareBackwardFunction(_ORIGINAL):
 
     @staticmethod
     def backward(ctx, dy):
-        t = ctx.saved_tensors
-        W, A, B, m, _ = ctx.params
-        name, from_output, _ = ctx.flags
-        return _bare_backward(dy, t[0], t[2], t[3], from_output, t[4], t[5], B, A, W, m, ctx.settings[0], by_name(name),
-                              (*ctx.lead, W.shape[1]))
+        x2, xa, h, g, n = ctx.saved_tensors
+        a, backend, from_output, lead = ctx.planned
+        return _bare_backward(dy, x2, xa, h, from_output, g, n, a.lora_B, a.lora_A, a.weight, a.magnitude, a.scaling, backend,
+                              (*lead, a.weight.shape[1]))
 
 
-_BY_NAME = {"0": _ORIGINAL, "1": BareFunction, "fwd": BareForwardFunction, "bwd": BareBackwardFunction}
+class GeneralPlannedFunction(torch.autograd.Function):
+    """The planned Function as it was before the straight-line call (twentieth session): the
+    general ``forward.from_base_forward`` with a ``Saved`` record (``autograd._save``) and the
+    general backward (``autograd._from_base_grads``, ``backward.layer_backward``); bitwise the
+    same numbers as the library's, for in-process A/B of the host time."""
+
+    @staticmethod
+    def forward(ctx, result, x, weight, lora_A, lora_B, magnitude, bias, scaling, backend):
+        a = LayerArgs(weight, lora_A, lora_B, magnitude, bias, scaling)
+        with our_numerics(result.device.type):
+            out, saved = from_base_forward(result, x, a, None, backend, need_saved=True)
+        ctx.mark_dirty(result)
+        dc_autograd._save(ctx, saved, a, x.shape[:-1], held=(weight, lora_A, lora_B, magnitude, bias))
+        ctx.result_is_base = True
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        return (*dc_autograd._from_base_grads(ctx, dy), None, None)
+
+
+_BY_NAME = {"0": _ORIGINAL, "general": GeneralPlannedFunction, "1": BareFunction, "fwd": BareForwardFunction, "bwd": BareBackwardFunction}
 
 
 def install(which: str | bool) -> None:
     """Swap a Function into the training plans: "1" (or True) both passes bare, "fwd" the bare
     forward with the library's backward, "bwd" the library's forward with the bare backward,
-    "0" (or False) the library's own."""
+    "general" the planned Function before the straight-line call, "0" (or False) the library's own."""
     which = {True: "1", False: "0"}.get(which, which) if isinstance(which, bool) else which
     peft_train.PlannedFromBaseFunction = _BY_NAME[which]  # type: ignore[misc]
 
@@ -150,7 +170,7 @@ def _check(argv=None) -> int:
     model.train()
     ids = torch.randint(0, 32000, (1, args.seq), generator=torch.Generator().manual_seed(1)).to(args.device)
     grads = []
-    names = ("0", "0", "1", "fwd", "bwd")  # the library twice (the plans start on the second call), then the bare ones
+    names = ("0", "0", "1", "fwd", "bwd", "general")  # the library twice (the plans start on the second call), then the bare ones
     for on in names:
         install(on)
         model.zero_grad(set_to_none=True)
