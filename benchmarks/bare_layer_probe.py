@@ -178,12 +178,15 @@ def _check(argv=None) -> int:
         grads.append({n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None})
     install(False)
     bad = 0
-    for i in range(2, len(names)):
+    for i in range(0, len(names)):
+        if i == 1:
+            continue
         diff = {k: float((grads[i][k] - grads[1][k]).norm() / grads[1][k].norm().clamp_min(1e-30)) for k in grads[1]}
         k = max(diff, key=diff.__getitem__)
-        print(f"bare={names[i]} vs library: {len(diff)} gradients, worst relative L2 difference {diff[k]:.3g} ({k}), "
+        print(f"bare={names[i]}{' (the first call, before the plans)' if i == 0 else ''} vs library: {len(diff)} gradients, worst relative L2 difference {diff[k]:.3g} ({k}), "
               f"median {sorted(diff.values())[len(diff) // 2]:.3g}")
         bad += diff[k] > 2e-2
+    print("(attention's backward on the GPU is not deterministic: the first row is the run-to-run difference)")
     return 1 if bad else 0
 
 
