@@ -356,14 +356,16 @@ def planned_backward(dy: torch.Tensor, x2: torch.Tensor, xa: torch.Tensor, h: to
     questions the plan answered. Empty shapes go to ``layer_backward``."""
     cd, (T, d_in), d_out = x2.dtype, x2.shape, g.shape[0]
     if T == 0 or d_out == 0:
-        saved = Saved(x2, None, xa, h, g, n, torch.clamp_min(n, eps()), None, None, backend, from_output, planner.DEFAULT)
+        saved = Saved(x2, None, xa, h.reshape(T, d_out), g, n, torch.clamp_min(n, eps()), None, None, backend, from_output,
+                      planner.DEFAULT)
         return layer_backward(saved, dy, a, lead, need)
     dy2 = dy.reshape(T, d_out)
     dy2 = (dy2 if dy2.dtype == cd else dy2.to(cd)).contiguous()
     h = h.reshape(T, d_out)
     W, A, B = in_dtype(a.weight, cd), in_dtype(a.lora_A, cd), in_dtype(a.lora_B, cd)
     s = a.scaling
-    step = backward_token_chunk(T, d_out, dy2.element_size())
+    # One chunk where the backward is traced (compiled autograd), as ``_setup`` decides
+    step = backward_token_chunk(T, d_out, dy2.element_size()) if not tracing() else T
     chunked = step < T
     dx2 = torch.empty(T, d_in, dtype=cd, device=x2.device) if need.dx else None
     prescaled = chunked and (cd == torch.float32 or (cd == torch.bfloat16 and _fp32_out_gemm(x2)))
