@@ -7,9 +7,11 @@ the same PEFT DoRA model, CUDA-graph norm replays on (1) or off (0), backward ch
 ``plans=0`` without the layers' training plans, ``doracheck.integrations.peft_train``;
 ``bare=1`` the planned call replaced by ``bare_layer_probe.BareFunction`` (a yardstick of the
 same GPU work without the library's Python; not correct in general; ``bare=fwd`` / ``bare=bwd``
-only that pass bare; ``bare=general`` the planned call as it was before the straight-line one); ``tma=0`` the compose's pointer kernel at every shape instead of the persistent TMA kernel,
+only that pass bare; ``bare=general`` the planned call as it was before the straight-line one);
+``tma=0`` the compose's pointer kernel at every shape instead of the persistent TMA kernel,
 ``settings.compose_tma_config``: its host descriptors cost host time per launch);
-either with ``mt=0`` runs its backward on the calling thread (``set_multithreading_enabled(False)``).
+either with ``mt=0`` runs its backward on the calling thread (``set_multithreading_enabled(False)``),
+and with ``gc=off`` with Python's gc disabled over its timed steps (collected before and after).
 Each round runs every configuration for ``--steps`` timed steps after one untimed step; the
 row is the median over all rounds (CUDA events), with the host CPU time per step (process CPU
 time, all threads) beside it.
@@ -20,6 +22,7 @@ time, all threads) beside it.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -103,6 +106,13 @@ def main(argv=None) -> int:
             apply(c)
             step(c["kind"], c.get("mt") == "0")  # untimed: the first step after a switch
             sync()
+            # gc=off: Python's cyclic gc disabled over this configuration's timed steps (a gen-2
+            # collection of a process holding a transformers model takes a large fraction of a step;
+            # collected after them, untimed)
+            gc_off = c.get("gc") == "off" and gc.isenabled()
+            if gc_off:
+                gc.collect()
+                gc.disable()
             for _ in range(args.steps):
                 c0, w0 = time.process_time(), time.perf_counter()
                 if cuda:
@@ -115,6 +125,8 @@ def main(argv=None) -> int:
                 sync()
                 gpu_ms[name].append(start.elapsed_time(end) if cuda else (time.perf_counter() - w0) * 1e3)
                 cpu_ms[name].append((c1 - c0) * 1e3)
+            if gc_off:
+                gc.enable()
     writer = RowWriter(args.csv) if args.csv else None
     import peft
     import triton
