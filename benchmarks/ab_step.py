@@ -14,7 +14,8 @@ either with ``mt=0`` runs its backward on the calling thread (``set_multithreadi
 and with ``gc=off`` with Python's gc disabled over its timed steps (collected before and after).
 Each round runs every configuration for ``--steps`` timed steps after one untimed step; the
 row is the median over all rounds (CUDA events), with the host CPU time per step (process CPU
-time, all threads) beside it.
+time, all threads) beside it, and how many cudaMalloc / cudaFree calls the caching allocator made
+over that configuration's timed steps (a cudaFree synchronises the device).
 
     python benchmarks/ab_step.py --configs 'lora;dc:graphs=1,chunk=16;dc:graphs=0,chunk=16' --csv out.csv
 """
@@ -97,6 +98,15 @@ def main(argv=None) -> int:
 
     gpu_ms = {name: [] for name, _ in configs}
     cpu_ms = {name: [] for name, _ in configs}
+    # cudaMalloc / cudaFree calls of the caching allocator over the timed steps (each cudaFree
+    # synchronises the device, which would stall a host-bound step), per configuration
+    mallocs = {name: [0, 0] for name, _ in configs}
+
+    def device_allocs() -> tuple[int, int]:
+        if not cuda:
+            return 0, 0
+        st = torch.cuda.memory_stats()
+        return st.get("num_device_alloc", 0), st.get("num_device_free", 0)
     # Interleaved (default): every configuration in each round, so host drift hits all alike.
     # --blocked: each configuration's rounds back to back, the loop a user runs (one model
     # stepping again and again); still one process.
@@ -113,6 +123,7 @@ def main(argv=None) -> int:
             if gc_off:
                 gc.collect()
                 gc.disable()
+            a0 = device_allocs()
             for _ in range(args.steps):
                 c0, w0 = time.process_time(), time.perf_counter()
                 if cuda:
@@ -127,6 +138,9 @@ def main(argv=None) -> int:
                 cpu_ms[name].append((c1 - c0) * 1e3)
             if gc_off:
                 gc.enable()
+            a1 = device_allocs()
+            mallocs[name][0] += a1[0] - a0[0]
+            mallocs[name][1] += a1[1] - a0[1]
     writer = RowWriter(args.csv) if args.csv else None
     import peft
     import triton
@@ -134,19 +148,20 @@ def main(argv=None) -> int:
     versions = {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "triton": triton.__version__,
                 "peft": peft.__version__}
     base = None
-    print(f"{'config':32s} {'ms':>8s} {'p20':>8s} {'p80':>8s} {'host cpu ms':>12s} {'x lora':>7s}")
+    print(f"{'config':32s} {'ms':>8s} {'p20':>8s} {'p80':>8s} {'host cpu ms':>12s} {'x lora':>7s} {'mallocs/frees':>14s}")
     for name, _ in configs:
         t, h = sorted(gpu_ms[name]), sorted(cpu_ms[name])
         med = quantile(t, 0.5)
         base = med if name == "lora" else base
         ratio = med / base if base else float("nan")
-        print(f"{name:32s} {med:8.2f} {quantile(t, 0.2):8.2f} {quantile(t, 0.8):8.2f} {quantile(h, 0.5):12.2f} {ratio:7.3f}")
+        allocs = f"{mallocs[name][0]}/{mallocs[name][1]}"
+        print(f"{name:32s} {med:8.2f} {quantile(t, 0.2):8.2f} {quantile(t, 0.8):8.2f} {quantile(h, 0.5):12.2f} {ratio:7.3f} {allocs:>14s}")
         if writer:
             writer.add({"config": name, "mode": "eager_gc_blocked" if args.blocked else "eager_gc", "optimizer": "adamw_fused", "value": round(med, 3),
                         "p20": round(quantile(t, 0.2), 3), "p80": round(quantile(t, 0.8), 3), "unit": "ms",
                         "host_cpu_ms": round(quantile(h, 0.5), 2), "ratio_to_lora": round(ratio, 3),
                         "samples": len(t), "seq": args.seq, "rank": args.rank, "layers": args.layers,
-                        "dtype": "bf16", **versions})
+                        "device_mallocs": mallocs[name][0], "device_frees": mallocs[name][1], "dtype": "bf16", **versions})
     if writer:
         writer.close()
     print("norm graphs:", norm_graphs.stats(), file=sys.stderr)
