@@ -100,8 +100,7 @@ class BareForwardFunction(torch.autograd.Function):
                                                              backend)
         ctx.mark_dirty(result)
         saved = Saved(x2, None, xa, h, g, n, n_safe, None, None, backend, from_output, planner.DEFAULT)
-        dc_autograd._save(ctx, saved, LayerArgs(weight, lora_A, lora_B, magnitude, bias, scaling), x.shape[:-1],
-                          held=(weight, lora_A, lora_B, magnitude, bias))
+        dc_autograd._save(ctx, saved, LayerArgs(weight, lora_A, lora_B, magnitude, bias, scaling), x.shape[:-1])
         ctx.result_is_base = True
         return result
 
@@ -133,7 +132,7 @@ class GeneralPlannedFunction(torch.autograd.Function):
         with our_numerics(result.device.type):
             out, saved = from_base_forward(result, x, a, None, backend, need_saved=True)
         ctx.mark_dirty(result)
-        dc_autograd._save(ctx, saved, a, x.shape[:-1], held=(weight, lora_A, lora_B, magnitude, bias))
+        dc_autograd._save(ctx, saved, a, x.shape[:-1])  # the old planned call passed its parameters as held=: the same record
         ctx.result_is_base = True
         return out
 

@@ -33,7 +33,7 @@ def _held_on_ctx(t: torch.Tensor | None) -> bool:
     return isinstance(t, torch.nn.Parameter) and not t.is_inference()
 
 
-def _save(ctx, saved: Saved, a: LayerArgs, lead: tuple, held: tuple | None = None) -> None:
+def _save(ctx, saved: Saved, a: LayerArgs, lead: tuple) -> None:
     """Keep ``saved`` and the parameters for the backward.
 
     Activations go through ``save_for_backward`` (so through saved-tensor hooks, such as
@@ -43,18 +43,14 @@ def _save(ctx, saved: Saved, a: LayerArgs, lead: tuple, held: tuple | None = Non
     unpack them again (10 hook-packed tensors per call before, 5 now for a PEFT layer). Other
     tensors passed as parameters, and everything while torch.compile traces (the form it
     supports), go through ``save_for_backward``. ``n_safe`` is kept only for the exact-norm
-    backward, the one that reads it. ``held``: the parameters as they ride on the ctx, where the
-    caller already knows all of them are module parameters and nothing traces (a training plan,
-    ``doracheck.integrations.peft_train``): the same record, without asking again."""
+    backward, the one that reads it. (A training plan's call keeps a record of its own:
+    ``PlannedFromBaseFunction``.)"""
     tensors = tuple(saved[:SAVED_TENSORS])
     if a.detach_norm:
         tensors = tensors[:6] + (None,) + tensors[7:]
-    if held is not None:
-        ctx.save_for_backward(*tensors, None, None, None, None, None)
-    else:
-        params = (a.weight, a.lora_A, a.lora_B, a.magnitude, a.bias)
-        held = (None,) * len(params) if tracing() else tuple(t if _held_on_ctx(t) else None for t in params)
-        ctx.save_for_backward(*tensors, *(None if h is not None else t for t, h in zip(params, held)))
+    params = (a.weight, a.lora_A, a.lora_B, a.magnitude, a.bias)
+    held = (None,) * len(params) if tracing() else tuple(t if _held_on_ctx(t) else None for t in params)
+    ctx.save_for_backward(*tensors, *(None if h is not None else t for t, h in zip(params, held)))
     ctx.params = held
     ctx.param_versions = tuple(None if t is None else t._version for t in held)
     ctx.flags = saved.flags()

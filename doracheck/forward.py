@@ -217,8 +217,10 @@ def planned_forward(result: torch.Tensor, x: torch.Tensor, a: LayerArgs, backend
     ``fan_in_fan_out`` off, the detached norm, eager, ``result`` contiguous): the same operations
     on the same operands in straight-line code, so bitwise its output, without the general
     path's questions (the plan answered them) and without a ``Saved`` record. The eager
-    training step is host-bound (issue 17): straight-line planned calls took 7-22 ms off a
-    step of 87-108 ms on the H200 hosts (benchmarks/bare_layer_probe.py, twenty-first pass).
+    training step is host-bound (issue 17). Measured (twenty-first pass): 299 against 319 µs a
+    layer forward + backward on a 2-core CPU; on the H200 hosts no step difference the spread
+    resolves. (A yardstick that also drops the token chunks and the norm-cache rule,
+    benchmarks/bare_layer_probe.py, ran the step 7-23 ms faster.)
 
     Returns (x2, xa, h, g, n, from_output): x as (T, d_in) in the compute dtype, x·Aᵀ, what the
     backward reads z from (``result`` itself, now y = g⊙z (+ b), when ``from_output``; else z),
