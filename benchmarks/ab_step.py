@@ -3,8 +3,10 @@ process: the lent hosts differ by ±30% in host speed, and this step is host-bou
 configurations are compared only within one process, round by round.
 
 Configurations: ``lora`` (PEFT LoRA, bf16 adapters) and ``dc:graphs=G,chunk=C`` (doracheck on
-the same PEFT DoRA model, CUDA-graph norm replays on (1) or off (0), backward chunk budget C MiB,
+the same PEFT DoRA model, CUDA-graph norm replays on (1) or off (0), backward chunk budget C MiB
+(default: the library's settings.BACKWARD_CHUNK_BYTES; until the twenty-second pass it was 16),
 ``plans=0`` without the layers' training plans, ``doracheck.integrations.peft_train``;
+``groups=0`` each planned layer's norm alone instead of its group's one refresh (``doracheck.norm_groups``);
 ``bare=1`` the planned call replaced by ``bare_layer_probe.BareFunction`` (a yardstick of the
 same GPU work without the library's Python; not correct in general; ``bare=fwd`` / ``bare=bwd``
 only that pass bare; ``bare=general`` the planned call as it was before the straight-line one);
@@ -34,11 +36,15 @@ from bench_model import build
 from llama_model import add_llama_args
 from row_csv import RowWriter
 
+from doracheck import norm_groups
 from doracheck.integrations import peft_train
 from doracheck.kernels import norm_graphs, settings
 from doracheck.timing import quantile
 
 TMA_MIN_TOKENS = settings.COMPOSE_TMA_MIN_TOKENS
+
+
+DEFAULT_CHUNK_BYTES = settings.BACKWARD_CHUNK_BYTES
 
 
 def parse_configs(text: str) -> list[tuple[str, dict]]:
@@ -85,8 +91,10 @@ def main(argv=None) -> int:
 
     def apply(c):
         os.environ["DORACHECK_NORM_GRAPHS"] = c.get("graphs", "1")
-        settings.BACKWARD_CHUNK_BYTES = int(float(c.get("chunk", "16")) * 2**20)
+        # chunk=C MiB overrides the backward chunk budget; without it, the library's default
+        settings.BACKWARD_CHUNK_BYTES = int(float(c["chunk"]) * 2**20) if "chunk" in c else DEFAULT_CHUNK_BYTES
         peft_train.ENABLED = c.get("plans", "1") == "1"
+        norm_groups.ENABLED = c.get("groups", "1") == "1"
         settings.COMPOSE_TMA_MIN_TOKENS = TMA_MIN_TOKENS if c.get("tma", "1") == "1" else 1 << 62
         bare_layer_probe.install(c.get("bare", "0"))
 
@@ -164,7 +172,7 @@ def main(argv=None) -> int:
                         "device_mallocs": mallocs[name][0], "device_frees": mallocs[name][1], "dtype": "bf16", **versions})
     if writer:
         writer.close()
-    print("norm graphs:", norm_graphs.stats(), file=sys.stderr)
+    print("norm graphs:", norm_graphs.stats(), "norm groups:", norm_groups.stats(), file=sys.stderr)
     planned = sum(bool(m.__dict__.get(peft_train._TRAIN_PLANS)) for model, _ in models.values() for m in model.modules())
     print(f"layers holding a training plan: {planned}", file=sys.stderr)
     if cuda:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import norm_cache, planner
+from . import norm_cache, norm_groups, planner
 from .kernels.backends import Backend
 from .kernels.compose_torch import magnitude_scale
 from .kernels.constants import eps
@@ -59,14 +59,15 @@ def norm_with_floor(backend: Backend, weight, lora_A, lora_B, scaling: float, fa
         return fn, torch.clamp_min(fn.norm, eps())
 
 
-def norm_and_scale(backend: Backend, a: LayerArgs, *, need_g: bool, recording: bool):
+def norm_and_scale(backend: Backend, a: LayerArgs, *, need_g: bool, recording: bool, grouped: bool = False):
     """(FactoredNorm, g = m / max(n, eps) or None, max(n, eps)). The norm, max(n, eps) and g may
     come from the norm cache (``norm_cache.lookup_or_compute`` says when; the magnitude is part
     of its key, so a stored g is only read for the same m, same version). In practice a stored
     g is read by the activation-checkpoint recompute inside a backward, which saves the host one
     op per layer and step; anything else that reads a stored norm recomputes g if it wants it
     and the entry has none. ``need_g=False``: the compose divides m by max(n, eps) itself.
-    ``recording``: autograd records this forward."""
+    ``recording``: autograd records this forward. ``grouped``: a training plan's call, whose norm,
+    n_safe and g may come from its group's one refresh (``norm_groups``; bitwise the same)."""
 
     def compute(need_factors: bool):
         return norm_with_floor(backend, a.weight, a.lora_A, a.lora_B, a.scaling, a.fan_in_fan_out, need_factors)
@@ -74,6 +75,10 @@ def norm_and_scale(backend: Backend, a: LayerArgs, *, need_g: bool, recording: b
     if a.detach_norm:  # U, G are not needed: the cache keeps the four d_out vectors, n_safe and g
 
         def compute_stored():
+            if grouped and need_g:
+                from_group = norm_groups.scaled_norm(backend, a)
+                if from_group is not None:
+                    return from_group
             if need_g:  # the norm, max(n, eps) and g in one backend call (the Triton one: one graph replay)
                 fn, n_safe, g = backend.scaled_norm(a.weight, a.lora_A, a.lora_B, a.magnitude, a.scaling, a.fan_in_fan_out)
                 return fn._replace(U=None, G=None), n_safe, g
@@ -230,7 +235,7 @@ def planned_forward(result: torch.Tensor, x: torch.Tensor, a: LayerArgs, backend
     if x2.dtype != cd:
         x2 = x2.to(cd)
     r2 = result.view(x2.shape[0], d_out)
-    fn, g, _ = norm_and_scale(backend, a, need_g=True, recording=True)
+    fn, g, _ = norm_and_scale(backend, a, need_g=True, recording=True, grouped=True)
     xa = F.linear(x2, a.lora_A if a.lora_A.dtype == cd else a.lora_A.to(cd))
     y, h, from_output = backend.compose_saving(r2, xa, a.lora_B, g, _contiguous_bias(a.bias), a.scaling, True, True)
     _write(r2, y)

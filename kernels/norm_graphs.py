@@ -73,7 +73,8 @@ _capture_streams: dict[int, torch.cuda.Stream] = {}
 _blas_ready: set[int] = set()  # devices whose capture stream has its cuBLAS workspace
 _stats = {"captures": 0, "replays": 0, "failed": 0}
 _NO_CACHING = os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") == "1"  # read by torch once, at CUDA start
-_state = {"off": False, "dead": False}  # off: a capture failed; dead: a tensor a graph reads was freed
+# off: a capture failed; dead: a tensor a graph reads was freed; generation: clear() calls
+_state = {"off": False, "dead": False, "generation": 0}
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -98,7 +99,7 @@ def clear() -> None:
         _seen.clear()
         _pools.clear()
         _stats.update(captures=0, replays=0, failed=0)
-        _state.update(off=False, dead=False)
+        _state.update(off=False, dead=False, generation=_state["generation"] + 1)
 
 
 def _layout(t: torch.Tensor) -> tuple:
@@ -260,6 +261,55 @@ def _room() -> bool:
     return len(_graphs) < MAX_GRAPHS
 
 
+def _give_up(error: Exception) -> None:
+    """After a failed capture (lock held): graphs off for the rest of the process (until
+    ``clear()``). A failed capture is usually memory running out at the peak of a forward, and
+    its pool is not reused. The graphs are dropped too: none will be replayed again, and what
+    they hold in pools that no failed capture touched goes back to the allocator."""
+    _graphs.clear()
+    _seen.clear()
+    _pools.clear()
+    _state["off"] = True
+    _stats["failed"] += 1
+    warnings.warn(f"doracheck: capturing a norm graph failed ({type(error).__name__}: {error}); "
+                  "norms are launched without graphs from now on", RuntimeWarning, stacklevel=3)
+
+
+def generation() -> int:
+    """Grows at every ``clear()``: a graph captured by ``capture_launches`` before it is not
+    replayed after it (its owner compares)."""
+    return _state["generation"]
+
+
+def capture_launches(device: torch.device, terms: Callable[[], torch.Tensor], blas: bool) -> tuple | None:
+    """(graph, static output) of ``terms()`` captured into the pool of ``device``'s current
+    stream, for launches that, like one norm's, read tensors that stay where they are (the
+    caller checks their addresses and layouts before each ``replay_launches``); None where
+    graphs may not be used (off, traced, another device current, the stream capturing) or the
+    capture failed (then graphs are off, as for ``graphed_norm``). ``blas``: ``terms()`` runs a
+    cuBLAS GEMM (its workspace on the capture stream is set up first). Eager only."""
+    if (tracing() or not enabled() or device.type != "cuda" or device.index != torch.cuda.current_device()
+            or torch.cuda.is_current_stream_capturing()):
+        return None
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    with _lock, torch.inference_mode(False), torch.no_grad(), _set_fwd_grad_enabled(False):
+        _capture_stream(device, blas)
+        try:
+            graph, out = _capture(key, terms, device)
+        except Exception as error:  # noqa: BLE001 (any failure to capture: the eager launches still work)
+            _give_up(error)
+            return None
+    return graph, out
+
+
+def replay_launches(graph: Any, out: torch.Tensor) -> torch.Tensor:
+    """Replay a ``capture_launches`` graph on the current stream and return a copy of its
+    output (copied before any other graph of the pool runs, as ``graphed_norm`` does)."""
+    with _lock, torch.inference_mode(False), torch.no_grad(), _set_fwd_grad_enabled(False):
+        graph.replay()
+        return out.clone()
+
+
 def graphed_norm(
     weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, fan_in_fan_out: bool,
     terms: Callable[[], torch.Tensor], magnitude: torch.Tensor | None = None,
@@ -295,17 +345,7 @@ def graphed_norm(
             try:
                 graph, out = _capture(key, terms, weight.device)
             except Exception as error:  # noqa: BLE001 (any failure to capture: the eager launches still work)
-                # Off for the rest of the process (until clear()): a failed capture is usually
-                # memory running out at the peak of a forward, and its pool is not reused.
-                # The graphs are dropped too: none will be replayed again, and what they hold in
-                # pools that no failed capture touched goes back to the allocator.
-                _graphs.clear()
-                _seen.clear()
-                _pools.clear()
-                _state["off"] = True
-                _stats["failed"] += 1
-                warnings.warn(f"doracheck: capturing a norm graph failed ({type(error).__name__}: {error}); "
-                              "norms are launched without graphs from now on", RuntimeWarning, stacklevel=2)
+                _give_up(error)
                 return None
             entry = _graphs[key] = [graph, out, _refs(weight, lora_A, lora_B)]
             _stats["captures"] += 1

@@ -1,0 +1,281 @@
+"""One norm refresh for all the planned layers of a training forward (issue 17).
+
+Every training forward recomputes each DoRA layer's norm n = ||W + s·B·A|| (rows) and
+g = m / max(n, eps) (``norm_cache`` rule 1: the optimizer may have written the parameters).
+On the H200 the eager step is host-bound, and each layer's norm, replayed from its own CUDA
+graph (``kernels.norm_graphs``), cost about 340 µs of host time inside the model step (py-spy,
+``benchmarks/results/host_sample_twentysecond_h200.txt``): 9.5 ms a step for the 28 layers of
+``bench_model.py``, whose norms are a few ms of GPU work. Here the layers that a training
+forward runs through their training plans (``integrations.peft_train``) form a *group*: all
+their norms are captured into one CUDA graph, replayed once per forward, when the first member
+asks; each member then takes its own rows. Same kernels, same operands: bitwise the norms the
+layers compute one by one (tests/test_norm_groups.py).
+
+When a member's rows are used (``scaled_norm`` returns None otherwise and the layer computes its
+norm alone, as before):
+- the group was refreshed in the current training era (``norm_cache.era``: it ends at every
+  optimizer step, at a training forward after a backward, and at ``clear_norm_cache``), and
+  this member has not taken its rows since that refresh (a second forward in one era, or a
+  layer called twice in one forward, refreshes the whole group again);
+- at the refresh every member's W, A, B and m were the objects the group was made from, alive,
+  at the addresses, shapes, strides and dtypes the graph reads (else the group is dropped: a
+  model moved, resharded or replaced), on the device and stream the group belongs to;
+- the member's tensors are still those, at that layout, and their version counters have not
+  moved since the refresh (an in-place write under ``no_grad`` between the first member's
+  forward and this one's);
+- a training forward (autograd recording), outside a backward (a checkpoint recompute reads the
+  norm its forward stored, ``norm_cache`` rule 2), not traced, not inside a CUDA graph capture,
+  the Triton path on CUDA with norm graphs on (``DORACHECK_NORM_GRAPHS``), m fp32 or 16-bit of
+  stride 1. On a CPU the group refreshes eagerly (each member's norm launched in turn, no
+  graph): no saving, the same rule, which is what the CPU tests exercise.
+
+One write nothing can see: ``param.data`` (or ``set_``) changed in place at the same address
+and layout *during* a forward, after the first member's and before another member's (a forward
+hook editing adapters; no framework does this). The layer-by-layer path read the parameters
+at each layer's own call; a group reads them all at the first member's. Writes between steps
+(optimizer steps, fused or not, ``p.data`` after a backward, ``load_state_dict``) are seen, as
+``norm_cache`` sees them.
+
+A group is learnt, not declared: the sequence of planned layers that asked for a norm in a
+training era is recorded, and when two consecutive eras saw the same sequence (no layer twice)
+of at least ``MIN_MEMBERS`` layers, it becomes the group of that (device, stream) at the next
+era's first call. A group whose members were not all used in two refreshes running is dropped
+and learnt again; so is one a ``norm_graphs.clear()`` or a failed capture outlived.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from . import norm_cache
+from .kernels import norm_graphs
+from .kernels.backends import Backend, FactoredNorm
+from .kernels.settings import cublas_cross_pieces
+from .layer_state import LayerArgs
+
+ENABLED = os.environ.get("DORACHECK_NORM_GROUPS", "1") != "0"  # read at import; the attribute at run time
+MIN_MEMBERS = 2  # one layer gains nothing from a group
+MAX_MEMBERS = 4096  # a longer sequence in one era is not recorded further
+IDLE_REFRESHES = 2  # refreshes running with a member unused before the group is dropped
+_G_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # m dtypes the one-kernel scaled norm takes
+
+_lock = threading.RLock()
+_groups: dict[tuple, _Group] = {}  # (device, stream) -> its group
+_learning: dict[tuple, dict] = {}  # (device, stream) -> {"era", "current": [sightings], "previous": [keys] or None}
+_stats = {"groups": 0, "refreshes": 0, "taken": 0, "dropped": 0}
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+
+
+class _Member:
+    """One layer of a group: weak references to its W, A, B, m, their layouts, its s, its rows'
+    place in the group's output, and the version counters at the last refresh."""
+
+    __slots__ = ("refs", "layouts", "scaling", "offset", "d_out", "versions", "taken")
+
+    def __init__(self, tensors: tuple, scaling: float, offset: int):
+        self.refs = tuple(weakref.ref(t) for t in tensors)
+        self.layouts = tuple(_layout(t) for t in tensors)
+        self.scaling = scaling
+        self.offset = offset
+        self.d_out = tensors[0].shape[0]
+        self.versions: tuple | None = None
+        self.taken = False
+
+    def tensors(self) -> tuple | None:
+        """(W, A, B, m) if all alive at the layouts the group reads, else None."""
+        tensors: tuple[Any, ...] = tuple(ref() for ref in self.refs)
+        if any(t is None for t in tensors) or tuple(_layout(t) for t in tensors) != self.layouts:
+            return None
+        return tensors
+
+    def is_layer(self, a: LayerArgs) -> bool:
+        refs = self.refs
+        return (refs[0]() is a.weight and refs[1]() is a.lora_A and refs[2]() is a.lora_B and refs[3]() is a.magnitude
+                and float(a.scaling) == self.scaling
+                and (_layout(a.weight), _layout(a.lora_A), _layout(a.lora_B), _layout(a.magnitude)) == self.layouts)
+
+
+class _Group:
+    """The members of one (device, stream), their captured norms (CUDA) or none (CPU), and the
+    rows of the last refresh."""
+
+    def __init__(self, keys: list, members: list[_Member], backend: Backend, graph: Any, out: torch.Tensor | None):
+        self.keys = keys  # the sequence of sightings it was made from
+        self.members = members
+        self.slots = {id(m.refs[2]()): i for i, m in enumerate(members)}  # id(B) -> index
+        self.backend = backend
+        self.graph, self.out = graph, out
+        self.generation = norm_graphs.generation()
+        self.era: int | None = None
+        self.rows: Any = None  # the refreshed rows: a flat tensor (graph) or a list of (fn, n_safe, g)
+        self.idle = 0
+
+    def refresh(self, era: int) -> bool:
+        """Recompute every member's norm (one replay, or each launched on a CPU); False where
+        the group no longer holds (then it is dropped)."""
+        if self.graph is not None and (self.generation != norm_graphs.generation() or not norm_graphs.enabled()):
+            return False
+        if self.era is not None:
+            self.idle = self.idle + 1 if not all(m.taken for m in self.members) else 0
+            if self.idle >= IDLE_REFRESHES:
+                return False
+        current: list[Any] = [m.tensors() for m in self.members]
+        if any(t is None for t in current):
+            return False
+        if self.graph is not None:
+            self.rows = norm_graphs.replay_launches(self.graph, self.out)
+        else:
+            self.rows = [_scaled(self.backend, W, A, B, mag, m.scaling) for (W, A, B, mag), m in zip(current, self.members)]
+        for t, m in zip(current, self.members):
+            m.versions = tuple(x._version for x in t)
+            m.taken = False
+        self.era = era
+        _stats["refreshes"] += 1
+        return True
+
+    def take(self, i: int) -> tuple:
+        m = self.members[i]
+        m.taken = True
+        _stats["taken"] += 1
+        if self.graph is None:
+            return self.rows[i]
+        base, cross, lora, n, n_safe, g = self.rows[m.offset:m.offset + 6 * m.d_out].view(6, m.d_out).unbind(0)
+        return FactoredNorm(base, cross, lora, n, None, None), n_safe, g
+
+
+def _scaled(backend: Backend, weight: Any, lora_A: Any, lora_B: Any, magnitude: Any, scaling: float) -> tuple:
+    """(FactoredNorm without U and G, n_safe, g): what a layer computes alone (``forward.norm_and_scale``)."""
+    fn, n_safe, g = backend.scaled_norm(weight, lora_A, lora_B, magnitude, scaling, False)
+    return fn._replace(U=None, G=None), n_safe, g
+
+
+def _place(backend: Backend, a: LayerArgs) -> tuple | None:
+    """(device, stream) of this call where a group may serve it, else None."""
+    W, m = a.weight, a.magnitude
+    if (not ENABLED or a.fan_in_fan_out or not a.detach_norm or m.dtype not in _G_DTYPES or m.dim() != 1 or m.stride(0) != 1
+            or m.device != W.device or norm_cache._in_backward() or not norm_cache._cacheable()):
+        return None
+    if W.is_cuda:
+        if (backend.name != "triton" or not norm_graphs.enabled() or W.device.index != torch.cuda.current_device()
+                or torch.cuda.is_current_stream_capturing()):
+            return None
+        return W.device.index, norm_cache._stream_of(W)
+    return str(W.device), None
+
+
+def scaled_norm(backend: Backend, a: LayerArgs) -> tuple | None:
+    """(FactoredNorm, n_safe, g) of a planned layer's training forward from its group, or None
+    (the layer computes its norm alone). The module docstring says when."""
+    place = _place(backend, a)
+    if place is None:
+        return None
+    era = norm_cache.era()
+    with _lock:
+        _learn(place, a, era, backend)
+        group = _groups.get(place)
+        i = group.slots.get(id(a.lora_B)) if group is not None else None
+        return _from_group(place, group, i, a, era) if group is not None and i is not None else None
+
+
+def _from_group(place: tuple, group: _Group, i: int, a: LayerArgs, era: int) -> tuple | None:
+    member = group.members[i]
+    if not member.is_layer(a):
+        _drop(place)
+        return None
+    if group.era != era or member.taken:
+        if not group.refresh(era):
+            _drop(place)
+            return None
+    if tuple(t._version for t in (a.weight, a.lora_A, a.lora_B, a.magnitude)) != member.versions:
+        return None  # written in place since the refresh: this layer computes its own
+    return group.take(i)
+
+
+def _drop(place: tuple) -> None:
+    if _groups.pop(place, None) is not None:
+        _stats["dropped"] += 1
+
+
+def _sighting(a: LayerArgs) -> tuple:
+    tensors = (a.weight, a.lora_A, a.lora_B, a.magnitude)
+    return tuple(id(t) for t in tensors) + tuple(_layout(t) for t in tensors) + (float(a.scaling),), tensors
+
+
+def _learn(place: tuple, a: LayerArgs, era: int, backend: Backend) -> None:
+    """Record this call in its era's sequence. At the first call of a new era, where the two
+    eras before it saw the same sequence and it is not the group's already, make the group
+    from it (replacing the one there)."""
+    state = _learning.get(place)
+    if state is None:
+        state = _learning[place] = {"era": era, "current": [], "previous": None}
+    if state["era"] != era:
+        finished = [key for key, _ in state["current"]]
+        if (state["previous"] is not None and finished == state["previous"] and len(finished) >= MIN_MEMBERS
+                and len(set(finished)) == len(finished)):
+            group = _groups.get(place)
+            if group is None or group.keys != finished:
+                _groups.pop(place, None)
+                _make(place, finished, [weak for _, weak in state["current"]], backend)
+        state.update(era=era, current=[], previous=finished)
+    if len(state["current"]) < MAX_MEMBERS:
+        key, tensors = _sighting(a)
+        state["current"].append((key, _Weak(tensors, float(a.scaling))))
+
+
+class _Weak:
+    """A sighting's tensors, held weakly until the group is made."""
+
+    __slots__ = ("refs", "scaling")
+
+    def __init__(self, tensors: tuple, scaling: float):
+        self.refs = tuple(weakref.ref(t) for t in tensors)
+        self.scaling = scaling
+
+
+def _make(place: tuple, keys: list, sightings: list, backend: Backend) -> bool:
+    """Make the group of ``place`` from the tensors of a sequence (alive, unchanged); on CUDA
+    capture every member's norm into one graph."""
+    tensors = [tuple(ref() for ref in s.refs) for s in sightings]
+    if any(t is None for ts in tensors for t in ts):
+        return False
+    members, offset = [], 0
+    for ts, s in zip(tensors, sightings):
+        members.append(_Member(ts, s.scaling, offset))
+        offset += 6 * ts[0].shape[0]
+    graph = out = None
+    if place[1] is not None:  # CUDA: one graph of every member's norm, its rows in one flat output
+        from .kernels.norm_triton import norm_terms
+
+        def terms() -> torch.Tensor:
+            return torch.cat([norm_terms(W, A, B, s.scaling, False, m).reshape(-1) for (W, A, B, m), s in zip(tensors, sightings)])
+
+        blas = any(cublas_cross_pieces(W.dtype, A.dtype) > 0 for W, A, _, _ in tensors)
+        captured = norm_graphs.capture_launches(tensors[0][0].device, terms, blas)
+        if captured is None:
+            return False
+        graph, out = captured
+    _groups[place] = _Group(keys, members, backend, graph, out)
+    _stats["groups"] += 1
+    return True
+
+
+def clear() -> None:
+    """Drop every group and what was learnt (a group that outlives ``clear_norm_cache`` is safe:
+    the era it ends makes the group refresh)."""
+    with _lock:
+        _groups.clear()
+        _learning.clear()
+
+
+def stats() -> dict:
+    """{"groups" made, "refreshes", "taken" (rows a layer used), "dropped", "members" now}."""
+    with _lock:
+        return {**_stats, "members": sum(len(g.members) for g in _groups.values())}

@@ -1,0 +1,185 @@
+"""Norm groups (doracheck/norm_groups.py): the planned layers of a training forward take their
+norms from one refresh per forward instead of one norm each.
+
+Checked on the CPU (the torch twin, and the Triton kernels under the interpreter, where a group
+refreshes its members one by one) and on a GPU (one CUDA graph for the group): training with
+groups is bitwise training without them in the loops users run, a write the group's refresh
+did not see is seen, a second forward in one era gets fresh norms, and a group whose layers
+were replaced is not used for the new ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from peft_models import dora_model, tokens  # noqa: E402
+
+from doracheck import norm_groups  # noqa: E402
+from doracheck.dispatch import use_path  # noqa: E402
+from doracheck.integrations.peft import enable  # noqa: E402
+from doracheck.norm_cache import clear_norm_cache  # noqa: E402
+
+LAYERS = 14  # DoRA layers of peft_models.dora_model (two decoder layers of seven linears)
+
+
+@pytest.fixture
+def groups_switch(monkeypatch):
+    """Set ``norm_groups.ENABLED`` for one run (restored after the test)."""
+    def switch(on: bool):
+        monkeypatch.setattr(norm_groups, "ENABLED", on)
+    return switch
+
+
+def _train(groups_switch, groups: bool, steps: int, *, checkpointing: bool = True, accumulate: int = 1, device: str = "cpu",
+           dtype: torch.dtype = torch.float32, before_backward=None, hooks=None):
+    """(losses, trainable parameters, norm_groups.stats()) after ``steps`` fused AdamW steps of
+    an enabled DoRA model. ``before_backward(model, step, loss)`` may run another forward and
+    return the loss to use; ``hooks(model, step_box)`` may register forward hooks."""
+    groups_switch(groups)
+    clear_norm_cache()
+    norm_groups.clear()
+    before = norm_groups.stats()
+    model = dora_model(0, dtype=dtype).to(device)
+    enable(model)
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    step_box = [0]
+    if hooks is not None:
+        hooks(model, step_box)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=True)
+    losses = []
+    for step in range(steps):
+        step_box[0] = step
+        for micro in range(accumulate):
+            ids = tokens(seed=10 * step + micro, batch=2, length=8, device=device)
+            loss = model(ids, labels=ids).loss / accumulate
+            if before_backward is not None:
+                loss = before_backward(model, step, loss, ids)
+            loss.backward()
+            losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    after = norm_groups.stats()
+    counts = {k: after[k] - before[k] for k in ("groups", "refreshes", "taken", "dropped")}
+    return torch.stack(losses), [p.detach().clone() for p in model.parameters() if p.requires_grad], counts
+
+
+def _assert_same(got, want):
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+
+
+@pytest.mark.parametrize("checkpointing,accumulate", [(True, 1), (False, 2)], ids=["checkpointing", "accumulation"])
+def test_training_with_groups_is_bitwise_training_without(groups_switch, checkpointing, accumulate):
+    steps = 6
+    with use_path("torch"):
+        want = _train(groups_switch, False, steps, checkpointing=checkpointing, accumulate=accumulate)
+        got = _train(groups_switch, True, steps, checkpointing=checkpointing, accumulate=accumulate)
+    assert want[2]["taken"] == 0
+    # plans from the second forward, the same sequence in the second and third: a group from the
+    # fourth forward on, one refresh per forward, every layer's norm from it
+    forwards = steps * accumulate
+    assert got[2]["groups"] == 1 and got[2]["refreshes"] == forwards - 3 and got[2]["taken"] == LAYERS * (forwards - 3)
+    _assert_same(got, want)
+
+
+def test_a_write_after_the_refresh_is_seen(groups_switch):
+    """An in-place write under no_grad to a later layer's B, made during the forward after the
+    group's refresh (a forward pre-hook of that layer): that layer computes its own norm, as it
+    would without groups (its version counter moved since the refresh)."""
+    def hooks(model, step_box):
+        layer = model.base_model.model.model.layers[-1].mlp.down_proj
+
+        def write(module, args):
+            if step_box[0] in (4, 5):
+                with torch.no_grad():
+                    module.lora_B["default"].weight.mul_(1.5)
+
+        layer.register_forward_pre_hook(write)
+
+    with use_path("torch"):
+        want = _train(groups_switch, False, 6, checkpointing=False, hooks=hooks)
+        got = _train(groups_switch, True, 6, checkpointing=False, hooks=hooks)
+    assert got[2]["refreshes"] == 3 and got[2]["taken"] == 3 * LAYERS - 2
+    _assert_same(got, want)
+
+
+def test_a_second_forward_in_one_era_gets_fresh_norms(groups_switch):
+    """Two training forwards before one backward, the adapters written through ``.data`` between
+    them (no optimizer step, no backward: the era does not end), in the steps after the group
+    formed. The second forward's first layer
+    finds its rows taken and refreshes the group, so every layer reads the written values."""
+    def twice(model, step, loss, ids):
+        if step < 4:  # a sequence with a layer twice is never grouped: the group forms first
+            return loss
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.data.mul_(0.5)
+        return loss + model(ids, labels=ids).loss
+
+    with use_path("torch"):
+        want = _train(groups_switch, False, 6, checkpointing=False, before_backward=twice)
+        got = _train(groups_switch, True, 6, checkpointing=False, before_backward=twice)
+    # steps 3, 4, 5: one refresh, then two each (the group stays: learning sees a layer twice)
+    assert got[2]["refreshes"] == 5 and got[2]["taken"] == 5 * LAYERS
+    _assert_same(got, want)
+
+
+def test_a_group_is_not_used_for_the_layers_that_replace_its_members(groups_switch):
+    """The adapters replaced by new Parameter objects (``load_state_dict(assign=True)``) after a
+    group formed: the old group serves none of them, and a new one is learnt."""
+    def swap(model, step, loss, ids):
+        if step == 5:
+            state = {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
+            model.load_state_dict(state, strict=False, assign=True)
+            for k, p in model.named_parameters():
+                if "lora_" in k:
+                    p.requires_grad_(True)
+            loss = loss.detach() + model(ids, labels=ids).loss
+        return loss
+
+    with use_path("torch"):
+        want = _train(groups_switch, False, 10, checkpointing=False, before_backward=swap)
+        got = _train(groups_switch, True, 10, checkpointing=False, before_backward=swap)
+    assert got[2]["groups"] == 2
+    _assert_same(got, want)
+
+
+def test_groups_off_by_the_switch(groups_switch):
+    with use_path("torch"):
+        got = _train(groups_switch, False, 5)
+    assert got[2] == {"groups": 0, "refreshes": 0, "taken": 0, "dropped": 0}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter run (the GPU tests cover CUDA)")
+def test_training_with_groups_is_bitwise_without_them_on_the_triton_kernels(groups_switch):
+    pytest.importorskip("triton")
+    with use_path("triton"):
+        want = _train(groups_switch, False, 5)
+        got = _train(groups_switch, True, 5)
+    assert got[2]["refreshes"] == 2 and got[2]["taken"] == 2 * LAYERS
+    _assert_same(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointing", "plain"])
+def test_gpu_training_with_groups_is_bitwise_without_them_in_bf16(groups_switch, checkpointing):
+    """On a GPU a group is one CUDA graph of every member's norm, replayed once per forward: the
+    same norms bitwise, and no per-layer norm replays once it is there."""
+    from doracheck.kernels import norm_graphs
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    norm_graphs.clear()
+    want = _train(groups_switch, False, 7, checkpointing=checkpointing, device="cuda", dtype=torch.bfloat16)
+    replays = norm_graphs.stats()["replays"]
+    got = _train(groups_switch, True, 7, checkpointing=checkpointing, device="cuda", dtype=torch.bfloat16)
+    assert got[2]["groups"] == 1 and got[2]["refreshes"] == 4 and got[2]["taken"] == 4 * LAYERS
+    # per-layer replays only in the forwards before the group (the third, a key's second sighting)
+    assert norm_graphs.stats()["replays"] - replays <= LAYERS
+    _assert_same(got, want)
