@@ -57,7 +57,7 @@ source benchmarks/gpu_common.sh
 export CUDA_VISIBLE_DEVICES=0
 PARTS=",${1:-tests,memcheck,verify},"
 install_old
-GPU_TESTS="tests/test_norm_graphs.py tests/test_kernels_gpu.py tests/test_training_loops.py tests/test_autocast.py tests/test_zero_magnitude.py tests/test_inference_norms.py tests/test_compile_fullgraph.py tests/test_decode_plan_gpu.py tests/test_train_plan.py tests/test_ops_fakes.py"
+GPU_TESTS="tests/test_norm_graphs.py tests/test_kernels_gpu.py tests/test_training_loops.py tests/test_autocast.py tests/test_zero_magnitude.py tests/test_inference_norms.py tests/test_compile_fullgraph.py tests/test_decode_plan_gpu.py tests/test_train_plan.py tests/test_ops_fakes.py tests/test_norm_groups.py"
 if [[ $PARTS == *,tests,* ]]; then
   # shellcheck disable=SC2086
   step gpu_tests 260 $PY -m pytest -m gpu -q -n 4 -p no:cacheprovider -rs $(ls $GPU_TESTS 2>/dev/null)
