@@ -387,6 +387,7 @@ def planned_backward(dy: torch.Tensor, x2: torch.Tensor, xa: torch.Tensor, h: to
     elif need.dA and chunked:
         dzB_all = torch.empty(T, A.shape[0], dtype=cd, device=dy2.device)
     dm_parts: list = []
+    dm_rows = 0  # rows of dm_parts (a running count: the host pays for every op here)
     for t0 in range(0, T, step):  # ``_chunk``, once per token chunk
         t1 = min(T, t0 + step)
         dy_c = dy2[t0:t1] if chunked else dy2
@@ -394,8 +395,10 @@ def planned_backward(dy: torch.Tensor, x2: torch.Tensor, xa: torch.Tensor, h: to
                                          not chunked and not one_pass)
         if chunked:
             dm_parts.append(dm_c)
-            if sum(part.shape[0] for part in dm_parts) * d_out * 4 > _DM_PARTS_BYTES:
+            dm_rows += dm_c.shape[0]
+            if dm_rows * d_out * 4 > _DM_PARTS_BYTES:
                 dm_parts = [torch.cat(dm_parts).sum(0, keepdim=True)]
+                dm_rows = 1
         else:
             dm_sum = dm_c
         if prescaled:
