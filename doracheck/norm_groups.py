@@ -11,40 +11,52 @@ their norms are captured into one CUDA graph, replayed once per forward, when th
 asks; each member then takes its own rows. Same kernels, same operands: bitwise the norms the
 layers compute one by one (tests/test_norm_groups.py).
 
-When a member's rows are used (``scaled_norm`` returns None otherwise and the layer computes its
-norm alone, as before):
-- the group was refreshed in the current training era (``norm_cache.era``: it ends at every
-  optimizer step, at a training forward after a backward, and at ``clear_norm_cache``), and
-  this member has not taken its rows since that refresh (a second forward in one era, or a
-  layer called twice in one forward, refreshes the whole group again);
+A *pass* is one forward of a model given to ``integrations.peft.enable`` (two hooks on it and on
+its base model, ``begin_pass`` / ``end_pass``, mark the outermost one, per thread). Groups
+belong to a (device, stream, implementation path, root model of the pass). When a member's rows
+are used (``scaled_norm`` returns None otherwise and the layer computes its norm alone, as
+before):
+- the group was refreshed in this pass, in the current training era (``norm_cache.era``: it
+  ends at every optimizer step, at a training forward after a backward, and at
+  ``clear_norm_cache``), and this member has not taken its rows since that refresh (a layer
+  called twice in one forward refreshes the whole group again). So the user's code between two
+  forwards (a hand-written SGD step through ``p.data``, another model's forward, a retry after
+  an exception) never sits between a refresh and a take: found in review, where one group of
+  two models refreshed at the first model's forward served the second model's rows from before
+  its ``p.data`` update;
 - at the refresh every member's W, A, B and m were the objects the group was made from, alive,
-  at the addresses, shapes, strides and dtypes the graph reads (else the group is dropped: a
-  model moved, resharded or replaced), on the device and stream the group belongs to;
+  at the addresses, shapes, strides and dtypes the graph reads and the layer's own call saw
+  (else the group is dropped: a model moved, resharded or replaced);
 - the member's tensors are still those, at that layout, and their version counters have not
   moved since the refresh (an in-place write under ``no_grad`` between the first member's
   forward and this one's);
 - a training forward (autograd recording), outside a backward (a checkpoint recompute reads the
   norm its forward stored, ``norm_cache`` rule 2), not traced, not inside a CUDA graph capture,
   the Triton path on CUDA with norm graphs on (``DORACHECK_NORM_GRAPHS``), m fp32 or 16-bit of
-  stride 1. On a CPU the group refreshes eagerly (each member's norm launched in turn, no
-  graph): no saving, the same rule, which is what the CPU tests exercise.
+  stride 1, a single process (no torch.distributed group of more than one: FSDP's forward
+  prefetch or DeepSpeed could be gathering a later layer's parameters into place on another
+  stream while the first member reads them, which no layout or version check sees; DeepSpeed
+  ZeRO-3 parameters are refused by their ``ds_id`` too). On a CPU the group refreshes eagerly
+  (each member's norm launched in turn, no graph): no saving, the same rule, which is what the
+  CPU tests exercise.
 
 One write nothing can see: ``param.data`` (or ``set_``) changed in place at the same address
-and layout *during* a forward, after the first member's and before another member's (a forward
-hook editing adapters; no framework does this). The layer-by-layer path read the parameters
-at each layer's own call; a group reads them all at the first member's. Writes between steps
-(optimizer steps, fused or not, ``p.data`` after a backward, ``load_state_dict``) are seen, as
-``norm_cache`` sees them.
+and layout *during* one forward, after the first member's call and before another member's (a
+forward hook editing adapters mid-forward; no framework does this). The layer-by-layer path
+read the parameters at each layer's own call; a group reads them all at the first member's.
 
 A group is learnt, not declared: the sequence of planned layers that asked for a norm in a
-training era is recorded, and when two consecutive eras saw the same sequence (no layer twice)
-of at least ``MIN_MEMBERS`` layers, it becomes the group of that (device, stream) at the next
-era's first call. A group whose members were not all used in two refreshes running is dropped
-and learnt again; so is one a ``norm_graphs.clear()`` or a failed capture outlived.
+training era is recorded, and when two consecutive eras saw the same sequence (no layer twice;
+at most ``MAX_MEMBERS`` are recorded) of at least ``MIN_MEMBERS`` layers, it becomes the group
+of its place at the next era's first call. A group whose members were not all used in two
+refreshes running, or one of whose members no longer matches its layer, is dropped and learnt
+again (two eras). A group goes when one of its B tensors is freed (a deleted model: its graph
+and rows with it) and at ``norm_graphs.clear()``.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import weakref
@@ -65,6 +77,8 @@ IDLE_REFRESHES = 2  # refreshes running with a member unused before the group is
 _G_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # m dtypes the one-kernel scaled norm takes
 
 _lock = threading.RLock()
+_tls = threading.local()  # this thread's pass: depth of entry forwards under way, pass id, its root module's id
+_pass_ids = itertools.count(1)
 _groups: dict[tuple, _Group] = {}  # (device, stream) -> its group
 _learning: dict[tuple, dict] = {}  # (device, stream) -> {"era", "current": [sightings], "previous": [keys] or None}
 _stats = {"groups": 0, "refreshes": 0, "taken": 0, "dropped": 0}
@@ -80,8 +94,9 @@ class _Member:
 
     __slots__ = ("refs", "layouts", "scaling", "offset", "d_out", "versions", "taken")
 
-    def __init__(self, tensors: tuple, scaling: float, offset: int):
-        self.refs = tuple(weakref.ref(t) for t in tensors)
+    def __init__(self, tensors: tuple, scaling: float, offset: int, place: tuple):
+        # B's reference drops the group when B is freed (a deleted model): its graph and rows go then
+        self.refs = tuple(weakref.ref(t, _forgetter(place) if i == 2 else None) for i, t in enumerate(tensors))
         self.layouts = tuple(_layout(t) for t in tensors)
         self.scaling = scaling
         self.offset = offset
@@ -114,16 +129,16 @@ class _Group:
         self.backend = backend
         self.graph, self.out = graph, out
         self.generation = norm_graphs.generation()
-        self.era: int | None = None
+        self.when: tuple | None = None  # (era, pass id) of the last refresh
         self.rows: Any = None  # the refreshed rows: a flat tensor (graph) or a list of (fn, n_safe, g)
         self.idle = 0
 
-    def refresh(self, era: int) -> bool:
+    def refresh(self, when: tuple) -> bool:
         """Recompute every member's norm (one replay, or each launched on a CPU); False where
         the group no longer holds (then it is dropped)."""
         if self.graph is not None and (self.generation != norm_graphs.generation() or not norm_graphs.enabled()):
             return False
-        if self.era is not None:
+        if self.when is not None:
             self.idle = self.idle + 1 if not all(m.taken for m in self.members) else 0
             if self.idle >= IDLE_REFRESHES:
                 return False
@@ -137,7 +152,7 @@ class _Group:
         for t, m in zip(current, self.members):
             m.versions = tuple(x._version for x in t)
             m.taken = False
-        self.era = era
+        self.when = when
         _stats["refreshes"] += 1
         return True
 
@@ -151,24 +166,66 @@ class _Group:
         return FactoredNorm(base, cross, lora, n, None, None), n_safe, g
 
 
+def _forgetter(place: tuple):
+    def forget(_ref) -> None:
+        with _lock:
+            group = _groups.get(place)
+            if group is not None and any(m.refs[2] is _ref for m in group.members):
+                del _groups[place]
+                _stats["dropped"] += 1
+    return forget
+
+
 def _scaled(backend: Backend, weight: Any, lora_A: Any, lora_B: Any, magnitude: Any, scaling: float) -> tuple:
     """(FactoredNorm without U and G, n_safe, g): what a layer computes alone (``forward.norm_and_scale``)."""
     fn, n_safe, g = backend.scaled_norm(weight, lora_A, lora_B, magnitude, scaling, False)
     return fn._replace(U=None, G=None), n_safe, g
 
 
+def begin_pass(module: torch.nn.Module, args: Any) -> None:
+    """Forward pre-hook of an enabled model's entry points (``integrations.peft.enable``): a
+    pass starts at the outermost one. Not while torch.compile traces (no group serves a traced
+    call)."""
+    if torch.compiler.is_compiling():
+        return
+    depth = getattr(_tls, "depth", 0)
+    if depth == 0:
+        _tls.pass_id, _tls.root = next(_pass_ids), id(module)
+    _tls.depth = depth + 1
+
+
+def end_pass(module: torch.nn.Module, args: Any, output: Any) -> None:
+    """Forward hook (``always_call``: on an exception too): the pass ends with its outermost entry."""
+    if torch.compiler.is_compiling():
+        return
+    depth = getattr(_tls, "depth", 0) - 1
+    _tls.depth = max(depth, 0)
+    if depth <= 0:
+        _tls.pass_id = _tls.root = None
+
+
+def _distributed() -> bool:
+    """More than one process in torch.distributed: FSDP (with forward prefetch) or DeepSpeed
+    may be gathering a later layer's parameters into their places on another stream while the
+    first member reads them (no layout or version check sees that)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def _place(backend: Backend, a: LayerArgs) -> tuple | None:
-    """(device, stream) of this call where a group may serve it, else None."""
+    """(device, stream, backend, root of the pass) of this call where a group may serve it, else None."""
     W, m = a.weight, a.magnitude
-    if (not ENABLED or a.fan_in_fan_out or not a.detach_norm or m.dtype not in _G_DTYPES or m.dim() != 1 or m.stride(0) != 1
-            or m.device != W.device or norm_cache._in_backward() or not norm_cache._cacheable()):
+    root = getattr(_tls, "root", None)
+    if (not ENABLED or root is None or a.fan_in_fan_out or not a.detach_norm or m.dtype not in _G_DTYPES or m.dim() != 1
+            or m.stride(0) != 1 or m.device != W.device or norm_cache._in_backward() or not norm_cache._cacheable()
+            or _distributed()):
         return None
     if W.is_cuda:
         if (backend.name != "triton" or not norm_graphs.enabled() or W.device.index != torch.cuda.current_device()
                 or torch.cuda.is_current_stream_capturing()):
             return None
-        return W.device.index, norm_cache._stream_of(W)
-    return str(W.device), None
+        return W.device.index, norm_cache._stream_of(W), backend.name, root
+    return str(W.device), None, backend.name, root
 
 
 def scaled_norm(backend: Backend, a: LayerArgs) -> tuple | None:
@@ -182,16 +239,17 @@ def scaled_norm(backend: Backend, a: LayerArgs) -> tuple | None:
         _learn(place, a, era, backend)
         group = _groups.get(place)
         i = group.slots.get(id(a.lora_B)) if group is not None else None
-        return _from_group(place, group, i, a, era) if group is not None and i is not None else None
+        return _from_group(place, group, i, a, (era, _tls.pass_id)) if group is not None and i is not None else None
 
 
-def _from_group(place: tuple, group: _Group, i: int, a: LayerArgs, era: int) -> tuple | None:
+def _from_group(place: tuple, group: _Group, i: int, a: LayerArgs, when: tuple) -> tuple | None:
+    """``when``: (era, pass id) of this call."""
     member = group.members[i]
     if not member.is_layer(a):
         _drop(place)
         return None
-    if group.era != era or member.taken:
-        if not group.refresh(era):
+    if group.when != when or member.taken:
+        if not group.refresh(when):
             _drop(place)
             return None
     if tuple(t._version for t in (a.weight, a.lora_A, a.lora_B, a.magnitude)) != member.versions:
@@ -227,10 +285,10 @@ def _learn(place: tuple, a: LayerArgs, era: int, backend: Backend) -> None:
         state.update(era=era, current=[], previous=finished)
     if len(state["current"]) < MAX_MEMBERS:
         key, tensors = _sighting(a)
-        state["current"].append((key, _Weak(tensors, float(a.scaling))))
+        state["current"].append((key, _Sighting(tensors, float(a.scaling))))
 
 
-class _Weak:
+class _Sighting:
     """A sighting's tensors, held weakly until the group is made."""
 
     __slots__ = ("refs", "scaling")
@@ -246,12 +304,18 @@ def _make(place: tuple, keys: list, sightings: list, backend: Backend) -> bool:
     tensors = [tuple(ref() for ref in s.refs) for s in sightings]
     if any(t is None for ts in tensors for t in ts):
         return False
+    # Each layer's tensors at the layouts its own call saw: a framework that gathers a layer's
+    # parameters only for its own forward (sharded in between) never forms a group.
+    if any(tuple(_layout(t) for t in ts) != key[4:8] for ts, key in zip(tensors, keys)):
+        return False
+    if any(hasattr(t, "ds_id") for ts in tensors for t in ts):  # DeepSpeed ZeRO-3 parameters (gathered per module)
+        return False
     members, offset = [], 0
     for ts, s in zip(tensors, sightings):
-        members.append(_Member(ts, s.scaling, offset))
+        members.append(_Member(ts, s.scaling, offset, place))
         offset += 6 * ts[0].shape[0]
     graph = out = None
-    if place[1] is not None:  # CUDA: one graph of every member's norm, its rows in one flat output
+    if tensors[0][0].is_cuda:  # one graph of every member's norm, its rows in one flat output
         from .kernels.norm_triton import norm_terms
 
         def terms() -> torch.Tensor:
@@ -268,11 +332,14 @@ def _make(place: tuple, keys: list, sightings: list, backend: Backend) -> bool:
 
 
 def clear() -> None:
-    """Drop every group and what was learnt (a group that outlives ``clear_norm_cache`` is safe:
-    the era it ends makes the group refresh)."""
+    """Drop every group and what was learnt (``norm_graphs.clear()`` calls it; a group that
+    outlives ``clear_norm_cache`` is safe: the era it ends makes the group refresh)."""
     with _lock:
         _groups.clear()
         _learning.clear()
+
+
+norm_graphs.on_clear(clear)
 
 
 def stats() -> dict:

@@ -91,6 +91,14 @@ def stats() -> dict:
         return {**_stats, "graphs": len(_graphs)}
 
 
+_clear_listeners: list[Callable[[], None]] = []
+
+
+def on_clear(listener: Callable[[], None]) -> None:
+    """Call ``listener()`` at every ``clear()`` (``doracheck.norm_groups`` drops its group graphs)."""
+    _clear_listeners.append(listener)
+
+
 def clear() -> None:
     """Drop every graph, sighting and shared buffer (the pools are freed with their graphs) and
     allow graphs again after a failed capture."""
@@ -100,6 +108,8 @@ def clear() -> None:
         _pools.clear()
         _stats.update(captures=0, replays=0, failed=0)
         _state.update(off=False, dead=False, generation=_state["generation"] + 1)
+    for listener in _clear_listeners:
+        listener()
 
 
 def _layout(t: torch.Tensor) -> tuple:

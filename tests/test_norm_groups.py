@@ -4,11 +4,16 @@ norms from one refresh per forward instead of one norm each.
 Checked on the CPU (the torch twin, and the Triton kernels under the interpreter, where a group
 refreshes its members one by one) and on a GPU (one CUDA graph for the group): training with
 groups is bitwise training without them in the loops users run, a write the group's refresh
-did not see is seen, a second forward in one era gets fresh norms, and a group whose layers
-were replaced is not used for the new ones.
+did not see is seen, a second forward in one era gets fresh norms, a group whose layers were
+replaced is not used for the new ones, two models written by hand between their forwards, or a
+switch of the implementation path, get no stale rows, a call outside the model's own forward
+uses no group, and a deleted model's group goes with it.
 """
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import pytest
 import torch
@@ -130,6 +135,52 @@ def test_a_second_forward_in_one_era_gets_fresh_norms(groups_switch):
     _assert_same(got, want)
 
 
+def test_a_forward_retried_after_an_exception_gets_fresh_norms(groups_switch):
+    """A forward that raised halfway (a later layer's pre-hook raises once), adapters written
+    through ``.data``, the forward run again in the same era: the layers the first try never
+    reached take no rows from its refresh (each forward is its own pass)."""
+    def hooks(model, step_box):
+        layer = model.base_model.model.model.layers[-1].mlp.down_proj
+        raised = []
+
+        def fail_once(module, args):
+            if step_box[0] == 4 and not raised:
+                raised.append(1)
+                raise RuntimeError("out of memory, say")
+
+        layer.register_forward_pre_hook(fail_once)
+
+    def run(groups: bool):
+        groups_switch(groups)
+        clear_norm_cache()
+        norm_groups.clear()
+        model = _fresh(0)
+        step_box = [0]
+        hooks(model, step_box)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=True)
+        losses = []
+        for step in range(6):
+            step_box[0] = step
+            ids = tokens(seed=step, batch=2, length=8)
+            try:
+                loss = model(ids, labels=ids).loss
+            except RuntimeError:
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        if "lora_B" in name:
+                            p.data.mul_(0.5)
+                loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return torch.stack(losses), [p.detach().clone() for p in model.parameters() if p.requires_grad], 0
+
+    with use_path("torch"):
+        want, got = run(False), run(True)
+    _assert_same(got, want)
+
+
 def test_a_group_is_not_used_for_the_layers_that_replace_its_members(groups_switch):
     """The adapters replaced by new Parameter objects (``load_state_dict(assign=True)``) after a
     group formed: the old group serves none of them, and a new one is learnt."""
@@ -148,6 +199,121 @@ def test_a_group_is_not_used_for_the_layers_that_replace_its_members(groups_swit
         got = _train(groups_switch, True, 10, checkpointing=False, before_backward=swap)
     assert got[2]["groups"] == 2
     _assert_same(got, want)
+
+
+def _fresh(seed: int):
+    model = dora_model(seed)
+    enable(model)
+    model.train()
+    return model
+
+
+def _sgd_by_hand(model):
+    for p in model.parameters():
+        if p.grad is not None:
+            p.data.add_(p.grad, alpha=-5e-2)
+            p.grad = None
+
+
+def _two_models(groups_switch, groups: bool):
+    """A and B in one era: A's forward, B updated through ``.data`` from its last gradients, B's
+    forward, one backward, A updated through ``.data`` (found in review: one group of both models
+    refreshed at A's forward gave B the rows from before its update)."""
+    groups_switch(groups)
+    clear_norm_cache()
+    norm_groups.clear()
+    before = norm_groups.stats()["taken"]
+    a, b = _fresh(0), _fresh(1)
+    losses = []
+    for step in range(8):
+        ids = tokens(seed=step, batch=2, length=8)
+        loss_a = a(ids, labels=ids).loss
+        _sgd_by_hand(b)
+        loss_b = b(ids, labels=ids).loss
+        (loss_a + loss_b).backward()
+        _sgd_by_hand(a)
+        losses += [loss_a.detach(), loss_b.detach()]
+    params = [p.detach().clone() for m in (a, b) for p in m.parameters() if p.requires_grad]
+    return torch.stack(losses), params, norm_groups.stats()["taken"] - before
+
+
+def test_two_models_written_by_hand_between_their_forwards_get_fresh_norms(groups_switch):
+    with use_path("torch"):
+        want = _two_models(groups_switch, False)
+        got = _two_models(groups_switch, True)
+    assert got[2] > 0  # a group per model: each forward is its own pass
+    _assert_same(got, want)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter run (the GPU tests cover CUDA)")
+def test_a_switch_of_the_path_gets_the_new_paths_norms(groups_switch):
+    """Groups are per implementation path (found in review: a group made on the torch twin
+    served its rows after a switch to the Triton kernels)."""
+    pytest.importorskip("triton")
+
+    def run(groups: bool):
+        groups_switch(groups)
+        clear_norm_cache()
+        norm_groups.clear()
+        model = _fresh(0)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=True)
+        losses = []
+        for step in range(7):
+            with use_path("torch" if step < 5 else "triton"):
+                ids = tokens(seed=step, batch=2, length=8)
+                loss = model(ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+        return torch.stack(losses), [p.detach().clone() for p in model.parameters() if p.requires_grad], 0
+
+    want, got = run(False), run(True)
+    _assert_same(got, want)
+
+
+def test_no_group_serves_a_call_outside_the_models_own_forward(groups_switch):
+    """The inner decoder stack called directly (not the enabled model or its base model): no pass
+    is marked, so every layer computes its own norm."""
+    groups_switch(True)
+    clear_norm_cache()
+    norm_groups.clear()
+    model = _fresh(0)
+    inner = model.get_base_model().model
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=True)
+    before = norm_groups.stats()
+    with use_path("torch"):
+        for step in range(6):
+            inner(tokens(seed=step, batch=2, length=8)).last_hidden_state.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    after = norm_groups.stats()
+    assert after["taken"] == before["taken"] and after["groups"] == before["groups"] and after["members"] == 0
+
+
+def test_a_deleted_models_group_goes_with_it(groups_switch):
+    """Nothing of a group outlives its layers (on CUDA its graph and pool), nor ``norm_graphs.clear()``."""
+    from doracheck.kernels import norm_graphs
+
+    with use_path("torch"):
+        _train(groups_switch, True, 5)  # its model is garbage once _train returns (PEFT models hold cycles)
+    gc.collect()
+    assert norm_groups.stats()["members"] == 0
+    model = _fresh(0)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=True)
+    with use_path("torch"):
+        for step in range(5):
+            ids = tokens(seed=step, batch=2, length=8)
+            model(ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert norm_groups.stats()["members"] == LAYERS
+    norm_graphs.clear()
+    assert norm_groups.stats()["members"] == 0
+    ref = weakref.ref(model)
+    del model, opt
+    gc.collect()
+    assert ref() is None
 
 
 def test_groups_off_by_the_switch(groups_switch):

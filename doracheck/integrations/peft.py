@@ -35,7 +35,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.lora.variants import DoraLinearVariant
 from torch import nn
 
-from doracheck import inference_norms
+from doracheck import inference_norms, norm_groups
 from doracheck.autograd import dora_from_base
 from doracheck.inference_norms import _ARMED
 from doracheck.integrations import peft_train
@@ -45,6 +45,7 @@ from doracheck.validation import check_dora_inputs
 
 logger = logging.getLogger("doracheck")
 _ORIGINALS = "_doracheck_original_variants"
+_PASS_HOOKS = "_doracheck_pass_hooks"
 
 
 class DoracheckDoraLinearVariant(DoraLinearVariant):
@@ -159,7 +160,10 @@ def enable(model: nn.Module, *, norm_buffers: bool = True) -> nn.Module:
     ``norm_buffers`` (default True): hook the model so that forwards without grad mode read
     each layer's norm from a buffer refreshed once per forward (``doracheck.inference_norms``:
     eager inference skips per-layer cache lookups, a compiled ``generate`` stops recomputing
-    norms). False: no hooks and no buffers; every layer computes or looks up its own norm."""
+    norms), and mark each forward of the model and of its base model as one pass
+    (``norm_groups.begin_pass`` / ``end_pass``: the planned layers of a training forward share one
+    norm refresh within it). False: no hooks and no buffers; every layer computes or looks up its
+    own norm, in training too."""
     accelerated = 0
     skipped: dict[str, list[str]] = {}
     for name, module in model.named_modules():
@@ -181,14 +185,32 @@ def enable(model: nn.Module, *, norm_buffers: bool = True) -> nn.Module:
             variants[adapter] = DoracheckDoraLinearVariant()
             accelerated += 1
     if norm_buffers:
+        _hook_passes(_entry_points(model))
         inference_norms.attach(_routed(model), _entry_points(model))
     else:
         inference_norms.detach(model)
+        for module in getattr(model, "_orig_mod", model).modules():
+            _unhook_passes(module)
     left = sum(len(where) for where in skipped.values())
     logger.info("doracheck: %d DoRA Linear adapters now run through doracheck, %d stay on PEFT's path", accelerated, left)
     for reason, where in skipped.items():
         logger.info("doracheck: %d DoRA adapters stay on PEFT's path (%s), e.g. %s", len(where), reason, where[0])
     return model
+
+
+def _hook_passes(entries: list[nn.Module]) -> None:
+    """Mark each forward of the model as one pass (``norm_groups.begin_pass`` / ``end_pass``):
+    the planned layers share one norm refresh only within a pass, never across the user's code
+    between two forwards. Once per module."""
+    for entry in entries:
+        if _PASS_HOOKS not in entry.__dict__:
+            entry.__dict__[_PASS_HOOKS] = (entry.register_forward_pre_hook(norm_groups.begin_pass),
+                                           entry.register_forward_hook(norm_groups.end_pass, always_call=True))
+
+
+def _unhook_passes(module: nn.Module) -> None:
+    for handle in module.__dict__.pop(_PASS_HOOKS, ()):
+        handle.remove()
 
 
 def _routed(model: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -214,6 +236,7 @@ def disable(model: nn.Module) -> nn.Module:
     ``merge_and_unload()``, whose returned base model would otherwise keep the hooks."""
     inference_norms.detach(model)
     for module in getattr(model, "_orig_mod", model).modules():
+        _unhook_passes(module)
         originals = module.__dict__.pop(_ORIGINALS, None)
         if not originals:
             continue
