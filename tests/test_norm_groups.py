@@ -139,45 +139,33 @@ def test_a_forward_retried_after_an_exception_gets_fresh_norms(groups_switch):
     """A forward that raised halfway (a later layer's pre-hook raises once), adapters written
     through ``.data``, the forward run again in the same era: the layers the first try never
     reached take no rows from its refresh (each forward is its own pass)."""
-    def hooks(model, step_box):
-        layer = model.base_model.model.model.layers[-1].mlp.down_proj
-        raised = []
+    raised: list = []
+
+    def prepare(model):
+        raised.clear()
 
         def fail_once(module, args):
-            if step_box[0] == 4 and not raised:
+            if model.__dict__.get("_step") == 4 and not raised:
                 raised.append(1)
                 raise RuntimeError("out of memory, say")
 
-        layer.register_forward_pre_hook(fail_once)
+        model.base_model.model.model.layers[-1].mlp.down_proj.register_forward_pre_hook(fail_once)
 
-    def run(groups: bool):
-        groups_switch(groups)
-        clear_norm_cache()
-        norm_groups.clear()
-        model = _fresh(0)
-        step_box = [0]
-        hooks(model, step_box)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=True)
-        losses = []
-        for step in range(6):
-            step_box[0] = step
-            ids = tokens(seed=step, batch=2, length=8)
-            try:
-                loss = model(ids, labels=ids).loss
-            except RuntimeError:
-                with torch.no_grad():
-                    for name, p in model.named_parameters():
-                        if "lora_B" in name:
-                            p.data.mul_(0.5)
-                loss = model(ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-        return torch.stack(losses), [p.detach().clone() for p in model.parameters() if p.requires_grad], 0
+    def loss_of(model, step, ids):
+        model.__dict__["_step"] = step
+        try:
+            return model(ids, labels=ids).loss
+        except RuntimeError:
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.data.mul_(0.5)
+            return model(ids, labels=ids).loss
 
     with use_path("torch"):
-        want, got = run(False), run(True)
+        want = _fused_adamw_loop(groups_switch, False, 6, loss_of, prepare)
+        got = _fused_adamw_loop(groups_switch, True, 6, loss_of, prepare)
+    assert raised
     _assert_same(got, want)
 
 
@@ -213,6 +201,26 @@ def _sgd_by_hand(model):
         if p.grad is not None:
             p.data.add_(p.grad, alpha=-5e-2)
             p.grad = None
+
+
+def _fused_adamw_loop(groups_switch, groups: bool, steps: int, loss_of, prepare=None):
+    """(losses, trainable parameters, 0) of a fresh enabled model after ``steps`` fused AdamW
+    steps whose loss is ``loss_of(model, step, ids)``; ``prepare(model)`` runs first."""
+    groups_switch(groups)
+    clear_norm_cache()
+    norm_groups.clear()
+    model = _fresh(0)
+    if prepare is not None:
+        prepare(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=True)
+    losses = []
+    for step in range(steps):
+        loss = loss_of(model, step, tokens(seed=step, batch=2, length=8))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), [p.detach().clone() for p in model.parameters() if p.requires_grad], 0
 
 
 def _two_models(groups_switch, groups: bool):
@@ -251,24 +259,12 @@ def test_a_switch_of_the_path_gets_the_new_paths_norms(groups_switch):
     served its rows after a switch to the Triton kernels)."""
     pytest.importorskip("triton")
 
-    def run(groups: bool):
-        groups_switch(groups)
-        clear_norm_cache()
-        norm_groups.clear()
-        model = _fresh(0)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=True)
-        losses = []
-        for step in range(7):
-            with use_path("torch" if step < 5 else "triton"):
-                ids = tokens(seed=step, batch=2, length=8)
-                loss = model(ids, labels=ids).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.detach())
-        return torch.stack(losses), [p.detach().clone() for p in model.parameters() if p.requires_grad], 0
+    def loss_of(model, step, ids):
+        with use_path("torch" if step < 5 else "triton"):
+            return model(ids, labels=ids).loss
 
-    want, got = run(False), run(True)
+    want = _fused_adamw_loop(groups_switch, False, 7, loss_of)
+    got = _fused_adamw_loop(groups_switch, True, 7, loss_of)
     _assert_same(got, want)
 
 
