@@ -102,6 +102,16 @@ def note_backward() -> None:
     compiled graph cannot mutate Python state; compiled forwards store nothing either)."""
     if not _compiling():
         _era["backward_seen"] = True
+        for listener in _backward_listeners:
+            listener()
+
+
+_backward_listeners: list = []  # called by every doracheck backward (norm_groups ends this thread's pass)
+
+
+def on_backward(listener) -> None:
+    """Call ``listener()`` in every doracheck backward (eager)."""
+    _backward_listeners.append(listener)
 
 
 def _compiling() -> bool:

@@ -63,6 +63,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import norm_cache
 from .kernels import norm_graphs
@@ -183,15 +184,26 @@ def _scaled(backend: Backend, weight: Any, lora_A: Any, lora_B: Any, magnitude: 
 
 
 def begin_pass(module: torch.nn.Module, args: Any) -> None:
-    """Forward pre-hook of an enabled model's entry points (``integrations.peft.enable``): a
-    pass starts at the outermost one. Not while torch.compile traces (no group serves a traced
-    call)."""
+    """Forward pre-hook of an enabled model's base model (``integrations.peft.enable``): a pass
+    starts here unless one is under way (the model's own forward calls this one). Not while
+    torch.compile traces (no group serves a traced call)."""
     if torch.compiler.is_compiling():
         return
     depth = getattr(_tls, "depth", 0)
     if depth == 0:
         _tls.pass_id, _tls.root = next(_pass_ids), id(module)
     _tls.depth = depth + 1
+
+
+def begin_outer_pass(module: torch.nn.Module, args: Any) -> None:
+    """Forward pre-hook of the model given to ``enable``: a pass always starts here. A pass left
+    open by a forward that never reached its hooks' end (Ctrl-C: torch calls ``always_call``
+    hooks on ``Exception`` only; found by the test suite, where such a test left later direct
+    calls of an inner module inside a stale pass) ends at the model's next forward, or at the
+    next backward or optimizer step (``_end_pass``), whichever comes first."""
+    if torch.compiler.is_compiling():
+        return
+    _tls.pass_id, _tls.root, _tls.depth = next(_pass_ids), id(module), 1
 
 
 def end_pass(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -202,6 +214,15 @@ def end_pass(module: torch.nn.Module, args: Any, output: Any) -> None:
     _tls.depth = max(depth, 0)
     if depth <= 0:
         _tls.pass_id = _tls.root = None
+
+
+def _end_pass(*_args: Any) -> None:
+    """No forward of this thread is under way once a backward or an optimizer step runs in it."""
+    _tls.depth, _tls.pass_id, _tls.root = 0, None, None
+
+
+norm_cache.on_backward(_end_pass)
+register_optimizer_step_post_hook(_end_pass)
 
 
 def _distributed() -> bool:

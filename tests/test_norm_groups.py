@@ -287,6 +287,49 @@ def test_no_group_serves_a_call_outside_the_models_own_forward(groups_switch):
     assert after["taken"] == before["taken"] and after["groups"] == before["groups"] and after["members"] == 0
 
 
+class _Interrupt(KeyboardInterrupt):
+    pass
+
+
+def test_a_forward_interrupted_by_ctrl_c_leaves_no_pass_open(groups_switch):
+    """Ctrl-C skips even ``always_call`` hooks, so the interrupted forward's pass is never ended
+    by its hooks (found by the suite: later direct calls of an inner module were served as if
+    inside it). It ends at the next backward: the inner decoder stack trained directly after
+    that takes no group's rows, and the training is bitwise the training without groups."""
+    def run(groups: bool):
+        groups_switch(groups)
+        clear_norm_cache()
+        norm_groups.clear()
+        model = _fresh(0)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=True)
+        losses, taken = [], []
+        for step in range(9):
+            ids = tokens(seed=step, batch=2, length=8)
+            if step == 5:
+                handle = model.base_model.model.model.layers[-1].mlp.down_proj.register_forward_hook(
+                    lambda *_: (_ for _ in ()).throw(_Interrupt()))
+                with pytest.raises(_Interrupt):
+                    model(ids, labels=ids)
+                handle.remove()
+            if step < 5:
+                loss = model(ids, labels=ids).loss
+            else:
+                loss = model.get_base_model().model(ids).last_hidden_state.square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+            taken.append(norm_groups.stats()["taken"])
+        return torch.stack(losses), [p.detach().clone() for p in model.parameters() if p.requires_grad], taken
+
+    with use_path("torch"):
+        want = run(False)
+        got = run(True)
+    assert got[2][4] > got[2][3]  # the group served the model's own forwards
+    assert got[2][8] - got[2][5] == 0  # none of the direct calls after the first one's backward
+    _assert_same(got, want)
+
+
 def test_a_deleted_models_group_goes_with_it(groups_switch):
     """Nothing of a group outlives its layers (on CUDA its graph and pool), nor ``norm_graphs.clear()``."""
     from doracheck.kernels import norm_graphs
