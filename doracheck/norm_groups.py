@@ -80,8 +80,8 @@ _G_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # m dtypes the one-k
 _lock = threading.RLock()
 _tls = threading.local()  # this thread's pass: depth of entry forwards under way, pass id, its root module's id
 _pass_ids = itertools.count(1)
-_groups: dict[tuple, _Group] = {}  # (device, stream) -> its group
-_learning: dict[tuple, dict] = {}  # (device, stream) -> {"era", "current": [sightings], "previous": [keys] or None}
+_groups: dict[tuple, _Group] = {}  # place (device, stream, path, pass root) -> its group
+_learning: dict[tuple, dict] = {}  # place -> {"era", "current": [sightings], "previous": [keys] or None}
 _stats = {"groups": 0, "refreshes": 0, "taken": 0, "dropped": 0}
 
 
@@ -120,8 +120,8 @@ class _Member:
 
 
 class _Group:
-    """The members of one (device, stream), their captured norms (CUDA) or none (CPU), and the
-    rows of the last refresh."""
+    """The members of one place (device, stream, path, pass root), their captured norms (CUDA) or
+    none (CPU), and the rows of the last refresh."""
 
     def __init__(self, keys: list, members: list[_Member], backend: Backend, graph: Any, out: torch.Tensor | None):
         self.keys = keys  # the sequence of sightings it was made from
@@ -129,7 +129,6 @@ class _Group:
         self.slots = {id(m.refs[2]()): i for i, m in enumerate(members)}  # id(B) -> index
         self.backend = backend
         self.graph, self.out = graph, out
-        self.generation = norm_graphs.generation()
         self.when: tuple | None = None  # (era, pass id) of the last refresh
         self.rows: Any = None  # the refreshed rows: a flat tensor (graph) or a list of (fn, n_safe, g)
         self.idle = 0
@@ -137,7 +136,8 @@ class _Group:
     def refresh(self, when: tuple) -> bool:
         """Recompute every member's norm (one replay, or each launched on a CPU); False where
         the group no longer holds (then it is dropped)."""
-        if self.graph is not None and (self.generation != norm_graphs.generation() or not norm_graphs.enabled()):
+        # graphs off since: a capture failed (``norm_graphs.clear()`` drops the groups itself)
+        if self.graph is not None and not norm_graphs.enabled():
             return False
         if self.when is not None:
             self.idle = self.idle + 1 if not all(m.taken for m in self.members) else 0

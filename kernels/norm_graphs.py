@@ -73,8 +73,7 @@ _capture_streams: dict[int, torch.cuda.Stream] = {}
 _blas_ready: set[int] = set()  # devices whose capture stream has its cuBLAS workspace
 _stats = {"captures": 0, "replays": 0, "failed": 0}
 _NO_CACHING = os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") == "1"  # read by torch once, at CUDA start
-# off: a capture failed; dead: a tensor a graph reads was freed; generation: clear() calls
-_state = {"off": False, "dead": False, "generation": 0}
+_state = {"off": False, "dead": False}  # off: a capture failed; dead: a tensor a graph reads was freed
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -107,7 +106,7 @@ def clear() -> None:
         _seen.clear()
         _pools.clear()
         _stats.update(captures=0, replays=0, failed=0)
-        _state.update(off=False, dead=False, generation=_state["generation"] + 1)
+        _state.update(off=False, dead=False)
     for listener in _clear_listeners:
         listener()
 
@@ -283,12 +282,6 @@ def _give_up(error: Exception) -> None:
     _stats["failed"] += 1
     warnings.warn(f"doracheck: capturing a norm graph failed ({type(error).__name__}: {error}); "
                   "norms are launched without graphs from now on", RuntimeWarning, stacklevel=3)
-
-
-def generation() -> int:
-    """Grows at every ``clear()``: a graph captured by ``capture_launches`` before it is not
-    replayed after it (its owner compares)."""
-    return _state["generation"]
 
 
 def capture_launches(device: torch.device, terms: Callable[[], torch.Tensor], blas: bool) -> tuple | None:
