@@ -30,7 +30,7 @@ def _summary(prof, steps: int) -> dict:
     launches = sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")))
     dora = {e.key: {"calls_per_step": e.count / steps, "self_cpu_us_per_call": e.self_cpu_time_total / max(e.count, 1),
                     "cpu_total_us_per_call": e.cpu_time_total / max(e.count, 1)}
-            for e in events if "DoRA" in e.key or "doracheck" in e.key}
+            for e in events if any(name in e.key for name in ("DoRA", "doracheck", "Planned"))}
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
     top_gpu = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:80]
     return {"host_cpu_ms_per_step": cpu_us / steps / 1e3, "gpu_kernel_ms_per_step": gpu_us / steps / 1e3,
