@@ -11,9 +11,13 @@ their norms are captured into one CUDA graph, replayed once per forward, when th
 asks; each member then takes its own rows. Same kernels, same operands: bitwise the norms the
 layers compute one by one (tests/test_norm_groups.py).
 
-A *pass* is one forward of a model given to ``integrations.peft.enable`` (two hooks on it and on
-its base model, ``begin_pass`` / ``end_pass``, mark the outermost one, per thread). Groups
-belong to a (device, stream, implementation path, root model of the pass). When a member's rows
+A *pass* is one forward of a model given to ``integrations.peft.enable``, per thread: hooks on
+it and on its base model (``begin_pass`` / ``end_pass``) open and close it, and it is anchored
+to the frame that runs that forward, so it is open exactly while that forward runs (a forward
+interrupted by Ctrl-C, which skips even ``always_call`` hooks, leaves none open). The base
+model's forward is a pass of its own, also inside its model's forward or another model's.
+Groups belong to a (device, stream, implementation
+path, root model of the pass). When a member's rows
 are used (``scaled_norm`` returns None otherwise and the layer computes its norm alone, as
 before):
 - the group was refreshed in this pass, in the current training era (``norm_cache.era``: it
@@ -42,7 +46,9 @@ before):
 
 One write nothing can see: ``param.data`` (or ``set_``) changed in place at the same address
 and layout *during* one forward, after the first member's call and before another member's (a
-forward hook editing adapters mid-forward; no framework does this). The layer-by-layer path
+forward hook editing a layer's adapters or its frozen weight mid-forward, e.g. weight noise
+written through ``.data``; no framework we know of does this). Turn groups off for such a model
+(``DORACHECK_NORM_GROUPS=0`` or ``enable(model, norm_buffers=False)``). The layer-by-layer path
 read the parameters at each layer's own call; a group reads them all at the first member's.
 
 A group is learnt, not declared: the sequence of planned layers that asked for a norm in a
@@ -58,6 +64,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import threading
 import weakref
 from typing import Any
@@ -78,7 +85,7 @@ IDLE_REFRESHES = 2  # refreshes running with a member unused before the group is
 _G_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # m dtypes the one-kernel scaled norm takes
 
 _lock = threading.RLock()
-_tls = threading.local()  # this thread's pass: depth of entry forwards under way, pass id, its root module's id
+_tls = threading.local()  # this thread's open forwards of enabled models (``_open_entries``)
 _pass_ids = itertools.count(1)
 _groups: dict[tuple, _Group] = {}  # place (device, stream, path, pass root) -> its group
 _learning: dict[tuple, dict] = {}  # place -> {"era", "current": [sightings], "previous": [keys] or None}
@@ -183,42 +190,78 @@ def _scaled(backend: Backend, weight: Any, lora_A: Any, lora_B: Any, magnitude: 
     return fn._replace(U=None, G=None), n_safe, g
 
 
+class _Pass:
+    """One forward of an enabled model or its base model: its number and its root module's id."""
+
+    __slots__ = ("id", "root")
+
+    def __init__(self, module: torch.nn.Module):
+        self.id = next(_pass_ids)
+        self.root = id(module)
+
+
+def _running(frame: Any) -> bool:
+    """Whether ``frame`` is on this thread's stack (its call has not returned or unwound)."""
+    f: Any = sys._getframe(1)
+    while f is not None:
+        if f is frame:
+            return True
+        f = f.f_back
+    return False
+
+
+def _open_entries() -> list:
+    """This thread's open forwards, innermost last: (id of the module, the frame that called its
+    pre-hook, its pass). An entry whose frame has left the stack is dropped here: its forward
+    ended without its forward hook (Ctrl-C skips even ``always_call`` hooks). Entries are pushed
+    in call order, so once the innermost is running every one below it is too."""
+    entries = getattr(_tls, "entries", None)
+    if entries is None:
+        entries = _tls.entries = []
+    while entries and not _running(entries[-1][1]):
+        entries.pop()
+    return entries
+
+
+def current_pass() -> _Pass | None:
+    """The pass of the innermost forward of an enabled model still running on this thread, or None."""
+    entries = _open_entries()
+    return entries[-1][2] if entries else None
+
+
 def begin_pass(module: torch.nn.Module, args: Any) -> None:
-    """Forward pre-hook of an enabled model's base model (``integrations.peft.enable``): a pass
-    starts here unless one is under way (the model's own forward calls this one). Not while
-    torch.compile traces (no group serves a traced call)."""
+    """Forward pre-hook of an enabled model and of its base model: each of their forwards is a
+    pass of its own (the base model's, inside its model's forward, holds every layer of it). The
+    pass is anchored to the frame that runs the forward (the caller of this hook): it is open
+    exactly while that frame is on the stack, so a forward interrupted by Ctrl-C (torch calls
+    ``always_call`` hooks on ``Exception`` only) leaves no pass open for the user's code after it
+    (found by the test suite, and again in review with a ``.data`` write and a direct call of an
+    inner module after the interrupt). A base model never joins an enclosing pass (found in
+    review: a second model's base model called from a hook of the first joined the first's pass
+    and took its group's rows from before the hook's ``.data`` update)."""
     if torch.compiler.is_compiling():
         return
-    depth = getattr(_tls, "depth", 0)
-    if depth == 0:
-        _tls.pass_id, _tls.root = next(_pass_ids), id(module)
-    _tls.depth = depth + 1
+    _open_entries().append((id(module), sys._getframe(1), _Pass(module)))
 
 
-def begin_outer_pass(module: torch.nn.Module, args: Any) -> None:
-    """Forward pre-hook of the model given to ``enable``: a pass always starts here. A pass left
-    open by a forward that never reached its hooks' end (Ctrl-C: torch calls ``always_call``
-    hooks on ``Exception`` only; found by the test suite, where such a test left later direct
-    calls of an inner module inside a stale pass) ends at the model's next forward, or at the
-    next backward or optimizer step (``_end_pass``), whichever comes first."""
-    if torch.compiler.is_compiling():
-        return
-    _tls.pass_id, _tls.root, _tls.depth = next(_pass_ids), id(module), 1
+begin_outer_pass = begin_pass  # the hook's name in whole models pickled before it was merged into begin_pass
 
 
 def end_pass(module: torch.nn.Module, args: Any, output: Any) -> None:
-    """Forward hook (``always_call``: on an exception too): the pass ends with its outermost entry."""
+    """Forward hook (``always_call``: on an exception too): the module's entry goes (and with it
+    the reference to its frame, which holds the forward's locals)."""
     if torch.compiler.is_compiling():
         return
-    depth = getattr(_tls, "depth", 0) - 1
-    _tls.depth = max(depth, 0)
-    if depth <= 0:
-        _tls.pass_id = _tls.root = None
+    entries = _open_entries()
+    if entries and entries[-1][0] == id(module):
+        entries.pop()
 
 
 def _end_pass(*_args: Any) -> None:
-    """No forward of this thread is under way once a backward or an optimizer step runs in it."""
-    _tls.depth, _tls.pass_id, _tls.root = 0, None, None
+    """No forward of this thread is under way once a backward or an optimizer step runs in it
+    (a second guard: the frame anchor already closes a pass whose forward is gone). On CUDA the
+    autograd engine runs backwards in its own threads; there this clears that thread's entries."""
+    _tls.entries = []
 
 
 norm_cache.on_backward(_end_pass)
@@ -234,33 +277,37 @@ def _distributed() -> bool:
 
 
 def _place(backend: Backend, a: LayerArgs) -> tuple | None:
-    """(device, stream, backend, root of the pass) of this call where a group may serve it, else None."""
+    """((device, stream, backend, root of the pass), the pass's number) of this call where a
+    group may serve it, else None."""
     W, m = a.weight, a.magnitude
-    root = getattr(_tls, "root", None)
-    if (not ENABLED or root is None or a.fan_in_fan_out or not a.detach_norm or m.dtype not in _G_DTYPES or m.dim() != 1
+    if (not ENABLED or a.fan_in_fan_out or not a.detach_norm or m.dtype not in _G_DTYPES or m.dim() != 1
             or m.stride(0) != 1 or m.device != W.device or norm_cache._in_backward() or not norm_cache._cacheable()
             or _distributed()):
+        return None
+    pass_ = current_pass()
+    if pass_ is None:
         return None
     if W.is_cuda:
         if (backend.name != "triton" or not norm_graphs.enabled() or W.device.index != torch.cuda.current_device()
                 or torch.cuda.is_current_stream_capturing()):
             return None
-        return W.device.index, norm_cache._stream_of(W), backend.name, root
-    return str(W.device), None, backend.name, root
+        return (W.device.index, norm_cache._stream_of(W), backend.name, pass_.root), pass_.id
+    return (str(W.device), None, backend.name, pass_.root), pass_.id
 
 
 def scaled_norm(backend: Backend, a: LayerArgs) -> tuple | None:
     """(FactoredNorm, n_safe, g) of a planned layer's training forward from its group, or None
     (the layer computes its norm alone). The module docstring says when."""
-    place = _place(backend, a)
-    if place is None:
+    found = _place(backend, a)
+    if found is None:
         return None
+    place, pass_id = found
     era = norm_cache.era()
     with _lock:
         _learn(place, a, era, backend)
         group = _groups.get(place)
         i = group.slots.get(id(a.lora_B)) if group is not None else None
-        return _from_group(place, group, i, a, (era, _tls.pass_id)) if group is not None and i is not None else None
+        return _from_group(place, group, i, a, (era, pass_id)) if group is not None and i is not None else None
 
 
 def _from_group(place: tuple, group: _Group, i: int, a: LayerArgs, when: tuple) -> tuple | None:

@@ -294,8 +294,9 @@ class _Interrupt(KeyboardInterrupt):
 def test_a_forward_interrupted_by_ctrl_c_leaves_no_pass_open(groups_switch):
     """Ctrl-C skips even ``always_call`` hooks, so the interrupted forward's pass is never ended
     by its hooks (found by the suite: later direct calls of an inner module were served as if
-    inside it). It ends at the next backward: the inner decoder stack trained directly after
-    that takes no group's rows, and the training is bitwise the training without groups."""
+    inside it). The pass is anchored to the forward's frame, so it ends as the forward unwinds:
+    the inner decoder stack trained directly after it takes no group's rows, and the training
+    is bitwise the training without groups."""
     def run(groups: bool):
         groups_switch(groups)
         clear_norm_cache()
@@ -327,6 +328,83 @@ def test_a_forward_interrupted_by_ctrl_c_leaves_no_pass_open(groups_switch):
         got = run(True)
     assert got[2][4] > got[2][3]  # the group served the model's own forwards
     assert got[2][8] - got[2][5] == 0  # none of the direct calls after the first one's backward
+    _assert_same(got, want)
+
+
+def test_a_pass_left_by_ctrl_c_serves_no_rows_after_a_hand_written_update(groups_switch):
+    """Found in review: Ctrl-C inside a training forward after the group's refresh, then the
+    adapters written through ``.data`` (no version bump) and an inner module called directly in
+    training, with no backward, optimizer step or new forward in between: the module's layers
+    took the rows refreshed before the write while the pass stayed open."""
+    def run(groups: bool):
+        groups_switch(groups)
+        clear_norm_cache()
+        norm_groups.clear()
+        model = _fresh(0)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=True)
+        for step in range(4):  # the group is learnt in the second and third forwards, serves from the fourth
+            ids = tokens(seed=step, batch=2, length=8)
+            model(ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        layers = model.base_model.model.model.layers
+        handle = layers[1].self_attn.q_proj.register_forward_hook(lambda *_: (_ for _ in ()).throw(_Interrupt()))
+        ids = tokens(seed=4, batch=2, length=8)
+        with pytest.raises(_Interrupt):
+            model(ids, labels=ids)  # refreshed at layer 0's first member, interrupted in layer 1
+        handle.remove()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.data.mul_(0.5)
+        taken = norm_groups.stats()["taken"]
+        h = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+        y = layers[1].mlp(h)
+        return y.detach(), taken, norm_groups.stats()["taken"] - taken
+
+    with use_path("torch"):
+        want, _, _ = run(False)
+        got, taken, taken_after = run(True)
+    assert taken > 0 and taken_after == 0
+    assert torch.equal(got, want)
+
+
+def test_another_models_base_model_called_inside_a_forward_opens_its_own_pass(groups_switch):
+    """Found in review: a forward hook of model A updated model B by hand through ``.data``
+    and called B's base model; B's layers joined A's pass, whose group (refreshed at A's first
+    layer, before the update) then held both models' layers and served B stale rows. A base
+    model's forward is a pass of its own."""
+    def run(groups: bool):
+        groups_switch(groups)
+        clear_norm_cache()
+        norm_groups.clear()
+        before = norm_groups.stats()["taken"]
+        a, b = _fresh(0), _fresh(1)
+        box: dict = {}
+
+        def hook(module, args, output):
+            _sgd_by_hand(b)
+            box["aux"] = b.get_base_model()(box["ids"], labels=box["ids"]).loss
+            return output
+
+        a.base_model.model.model.layers[0].self_attn.o_proj.register_forward_hook(hook)
+        params = [p for p in a.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
+        losses = []
+        for step in range(7):
+            box["ids"] = ids = tokens(seed=step, batch=2, length=8)
+            loss = a(ids, labels=ids).loss + box["aux"]
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        trained = [p.detach().clone() for m in (a, b) for p in m.parameters() if p.requires_grad]
+        return torch.stack(losses), trained, norm_groups.stats()["taken"] - before
+
+    with use_path("torch"):
+        want = run(False)
+        got = run(True)
+    assert got[2] > 0
     _assert_same(got, want)
 
 

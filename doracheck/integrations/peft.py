@@ -202,10 +202,9 @@ def _hook_passes(entries: list[nn.Module]) -> None:
     """Mark each forward of the model as one pass (``norm_groups.begin_pass`` / ``end_pass``):
     the planned layers share one norm refresh only within a pass, never across the user's code
     between two forwards. Once per module."""
-    for i, entry in enumerate(entries):
+    for entry in entries:
         if _PASS_HOOKS not in entry.__dict__:
-            begin = norm_groups.begin_outer_pass if i == 0 else norm_groups.begin_pass
-            entry.__dict__[_PASS_HOOKS] = (entry.register_forward_pre_hook(begin),
+            entry.__dict__[_PASS_HOOKS] = (entry.register_forward_pre_hook(norm_groups.begin_pass),
                                            entry.register_forward_hook(norm_groups.end_pass, always_call=True))
 
 
