@@ -413,4 +413,6 @@ norm_graphs.on_clear(clear)
 def stats() -> dict:
     """{"groups" made, "refreshes", "taken" (rows a layer used), "dropped", "members" now}."""
     with _lock:
-        return {**_stats, "members": sum(len(g.members) for g in _groups.values())}
+        # a copy: a B freed by the garbage collector during the sum drops its group (``_forgetter``,
+        # same thread, so the lock does not hold it off)
+        return {**_stats, "members": sum(len(g.members) for g in list(_groups.values()))}
