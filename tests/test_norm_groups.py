@@ -460,10 +460,15 @@ def test_gpu_training_with_groups_is_bitwise_without_them_in_bf16(groups_switch,
         pytest.skip("needs a CUDA device")
     norm_graphs.clear()
     want = _train(groups_switch, False, 7, checkpointing=checkpointing, device="cuda", dtype=torch.bfloat16)
-    replays = norm_graphs.stats()["replays"]
+    # The first run's layer graphs go: a layer of the second model allocated at the addresses of
+    # one of the first (freed whenever the garbage collector gets to the first model) would
+    # replay that graph at its first sighting (correctly: a graph reads addresses), one replay
+    # more than counted below (seen on the H200, depending on when the collector ran).
+    gc.collect()
+    norm_graphs.clear()
     got = _train(groups_switch, True, 7, checkpointing=checkpointing, device="cuda", dtype=torch.bfloat16)
     assert got[2]["groups"] == 1 and got[2]["refreshes"] == 4 and got[2]["taken"] == 4 * LAYERS
     # per-layer replays only in the forwards before the group (the second and third: a layer's
     # graph is captured at its key's second sighting), as many as without groups in those two
-    assert norm_graphs.stats()["replays"] - replays == 2 * LAYERS
+    assert norm_graphs.stats()["replays"] == 2 * LAYERS
     _assert_same(got, want)
