@@ -196,6 +196,15 @@ def _fresh(seed: int):
     return model
 
 
+def _start(groups_switch, groups: bool):
+    """A fresh enabled model (seed 0) and its fused AdamW, groups on or off, nothing stored."""
+    groups_switch(groups)
+    clear_norm_cache()
+    norm_groups.clear()
+    model = _fresh(0)
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=True)
+
+
 def _sgd_by_hand(model):
     for p in model.parameters():
         if p.grad is not None:
@@ -298,11 +307,7 @@ def test_a_forward_interrupted_by_ctrl_c_leaves_no_pass_open(groups_switch):
     the inner decoder stack trained directly after it takes no group's rows, and the training
     is bitwise the training without groups."""
     def run(groups: bool):
-        groups_switch(groups)
-        clear_norm_cache()
-        norm_groups.clear()
-        model = _fresh(0)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=True)
+        model, opt = _start(groups_switch, groups)
         losses, taken = [], []
         for step in range(9):
             ids = tokens(seed=step, batch=2, length=8)
@@ -337,11 +342,7 @@ def test_a_pass_left_by_ctrl_c_serves_no_rows_after_a_hand_written_update(groups
     training, with no backward, optimizer step or new forward in between: the module's layers
     took the rows refreshed before the write while the pass stayed open."""
     def run(groups: bool):
-        groups_switch(groups)
-        clear_norm_cache()
-        norm_groups.clear()
-        model = _fresh(0)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=True)
+        model, opt = _start(groups_switch, groups)
         for step in range(4):  # the group is learnt in the second and third forwards, serves from the fourth
             ids = tokens(seed=step, batch=2, length=8)
             model(ids, labels=ids).loss.backward()
