@@ -16,9 +16,8 @@ it and on its base model (``begin_pass`` / ``end_pass``) open and close it, and 
 to the frame that runs that forward, so it is open exactly while that forward runs (a forward
 interrupted by Ctrl-C, which skips even ``always_call`` hooks, leaves none open). The base
 model's forward is a pass of its own, also inside its model's forward or another model's.
-Groups belong to a (device, stream, implementation
-path, root model of the pass). When a member's rows
-are used (``scaled_norm`` returns None otherwise and the layer computes its norm alone, as
+Groups belong to a (device, stream, implementation path, root model of the pass). When a
+member's rows are used (``scaled_norm`` returns None otherwise and the layer computes its norm alone, as
 before):
 - the group was refreshed in this pass, in the current training era (``norm_cache.era``: it
   ends at every optimizer step, at a training forward after a backward, and at
@@ -190,16 +189,6 @@ def _scaled(backend: Backend, weight: Any, lora_A: Any, lora_B: Any, magnitude: 
     return fn._replace(U=None, G=None), n_safe, g
 
 
-class _Pass:
-    """One forward of an enabled model or its base model: its number and its root module's id."""
-
-    __slots__ = ("id", "root")
-
-    def __init__(self, module: torch.nn.Module):
-        self.id = next(_pass_ids)
-        self.root = id(module)
-
-
 def _running(frame: Any) -> bool:
     """Whether ``frame`` is on this thread's stack (its call has not returned or unwound)."""
     f: Any = sys._getframe(1)
@@ -211,8 +200,8 @@ def _running(frame: Any) -> bool:
 
 
 def _open_entries() -> list:
-    """This thread's open forwards, innermost last: (id of the module, the frame that called its
-    pre-hook, its pass). An entry whose frame has left the stack is dropped here: its forward
+    """This thread's open forwards (passes), innermost last: (id of the module, the frame that
+    called its pre-hook, the pass's number). An entry whose frame has left the stack is dropped here: its forward
     ended without its forward hook (Ctrl-C skips even ``always_call`` hooks). Entries are pushed
     in call order, so once the innermost is running every one below it is too."""
     entries = getattr(_tls, "entries", None)
@@ -223,10 +212,10 @@ def _open_entries() -> list:
     return entries
 
 
-def current_pass() -> _Pass | None:
-    """The pass of the innermost forward of an enabled model still running on this thread, or None."""
+def current_pass() -> tuple | None:
+    """(id of its module, its number) of the innermost pass still running on this thread, or None."""
     entries = _open_entries()
-    return entries[-1][2] if entries else None
+    return (entries[-1][0], entries[-1][2]) if entries else None
 
 
 def begin_pass(module: torch.nn.Module, args: Any) -> None:
@@ -241,7 +230,7 @@ def begin_pass(module: torch.nn.Module, args: Any) -> None:
     and took its group's rows from before the hook's ``.data`` update)."""
     if torch.compiler.is_compiling():
         return
-    _open_entries().append((id(module), sys._getframe(1), _Pass(module)))
+    _open_entries().append((id(module), sys._getframe(1), next(_pass_ids)))
 
 
 begin_outer_pass = begin_pass  # the hook's name in whole models pickled before it was merged into begin_pass
@@ -284,15 +273,16 @@ def _place(backend: Backend, a: LayerArgs) -> tuple | None:
             or m.stride(0) != 1 or m.device != W.device or norm_cache._in_backward() or not norm_cache._cacheable()
             or _distributed()):
         return None
-    pass_ = current_pass()
-    if pass_ is None:
+    open_pass = current_pass()
+    if open_pass is None:
         return None
+    root, pass_id = open_pass
     if W.is_cuda:
         if (backend.name != "triton" or not norm_graphs.enabled() or W.device.index != torch.cuda.current_device()
                 or torch.cuda.is_current_stream_capturing()):
             return None
-        return (W.device.index, norm_cache._stream_of(W), backend.name, pass_.root), pass_.id
-    return (str(W.device), None, backend.name, pass_.root), pass_.id
+        return (W.device.index, norm_cache._stream_of(W), backend.name, root), pass_id
+    return (str(W.device), None, backend.name, root), pass_id
 
 
 def scaled_norm(backend: Backend, a: LayerArgs) -> tuple | None:

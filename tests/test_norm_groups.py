@@ -464,7 +464,7 @@ def test_gpu_training_with_groups_is_bitwise_without_them_in_bf16(groups_switch,
     # The first run's layer graphs go: a layer of the second model allocated at the addresses of
     # one of the first (freed whenever the garbage collector gets to the first model) would
     # replay that graph at its first sighting (correctly: a graph reads addresses), one replay
-    # more than counted below (seen on the H200, depending on when the collector ran).
+    # more than counted below (seen once on the H200; that cause is read from the code, not traced).
     gc.collect()
     norm_graphs.clear()
     got = _train(groups_switch, True, 7, checkpointing=checkpointing, device="cuda", dtype=torch.bfloat16)
