@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import backward as backward_pass
-from . import dispatch, norm_cache
+from . import dispatch, norm_rule
 from . import forward as forward_pass
 from .kernels.compose_torch import accumulation_dtype
 from .kernels.tracing import tracing
@@ -29,7 +29,7 @@ def _held_on_ctx(t: torch.Tensor | None) -> bool:
     module parameters only (``nn.Parameter``, not an inference tensor). They live as long as
     their module anyway; any other tensor (a weight dequantized or cast for this call) goes
     through ``save_for_backward``, which frees it when the backward is done (a reference on the
-    ctx would keep it as long as the graph: found in review)."""
+    ctx would keep it as long as the graph)."""
     return isinstance(t, torch.nn.Parameter) and not t.is_inference()
 
 
@@ -40,11 +40,10 @@ def _save(ctx, saved: Saved, a: LayerArgs, lead: tuple) -> None:
     activation checkpointing's: three Python calls per tensor and step). In eager, module
     parameters ride on the ctx with their version counters, checked by ``_restore`` as autograd
     checks saved tensors: they are alive anyway, and a hook would only pack, recompute and
-    unpack them again (10 hook-packed tensors per call before, 5 now for a PEFT layer). Other
+    unpack them again (5 hook-packed tensors per call for a PEFT layer instead of 10). Other
     tensors passed as parameters, and everything while torch.compile traces (the form it
     supports), go through ``save_for_backward``. ``n_safe`` is kept only for the exact-norm
-    backward, the one that reads it. (A training plan's call keeps a record of its own:
-    ``PlannedFromBaseFunction``.)"""
+    backward, the one that reads it."""
     tensors = tuple(saved[:SAVED_TENSORS])
     if a.detach_norm:
         tensors = tensors[:6] + (None,) + tensors[7:]
@@ -93,7 +92,7 @@ class DoRALinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        norm_cache.note_backward()
+        norm_rule.note_backward()
         saved, a = _restore(ctx)
         with our_numerics(dy.device.type):
             grads = backward_pass.layer_backward(saved, dy, a, ctx.lead, Need(*ctx.needs_input_grad[:6]))
@@ -169,7 +168,7 @@ class DoRAFromBaseFunction(torch.autograd.Function):
 def _from_base_grads(ctx, dy: torch.Tensor) -> tuple:
     """(d_result, dx, None, dA, dB, dm, db): the gradients of a from-base Function's first seven
     inputs (result, x, weight, lora_A, lora_B, magnitude, bias), from what ``_save`` kept."""
-    norm_cache.note_backward()
+    norm_rule.note_backward()
     saved, a = _restore(ctx)
     T, d_out = saved.x2.shape[0], saved.g.shape[0]
     assert saved.h is not None  # every training forward keeps z, z_d or the output
@@ -184,44 +183,6 @@ def _from_base_grads(ctx, dy: torch.Tensor) -> tuple:
             d_result, db = _through_result(dy.reshape(T, d_out), saved, db)
             d_result = d_result.reshape(dy.shape) if need[0] else None
     return d_result, dx, None, dA, dB, dm, db
-
-
-class PlannedFromBaseFunction(torch.autograd.Function):
-    """``DoRAFromBaseFunction`` for the one call a training plan covers
-    (``doracheck.integrations.peft_train``): the first active adapter of a frozen, unbiased or
-    biased base layer, no dropout, ``fan_in_fan_out`` off, eager (nothing traces), autocast off,
-    every parameter a module ``nn.Parameter``. ``forward.planned_forward`` and
-    ``backward.planned_backward``: the general path's operations for such a call in straight-line
-    code, so bitwise its output and gradients (tests/test_train_plan.py), with five saved
-    tensors (x2, x·Aᵀ, the output or z, g, n) and the parameters held on the ctx with their
-    versions, as ``_save`` holds module parameters. The eager training step is host-bound, and
-    the general path's record and questions cost host time at every layer call (issue 17)."""
-
-    @staticmethod
-    def forward(ctx, result, x, weight, lora_A, lora_B, magnitude, bias, scaling, backend):
-        a = LayerArgs(weight, lora_A, lora_B, magnitude, bias, scaling)
-        with our_numerics(result.device.type):
-            x2, xa, h, g, n, from_output = forward_pass.planned_forward(result, x, a, backend)
-        ctx.mark_dirty(result)
-        ctx.save_for_backward(x2, xa, h, g, n)
-        ctx.params = (weight, lora_A, lora_B, magnitude, bias)
-        ctx.param_versions = (weight._version, lora_A._version, lora_B._version, magnitude._version,
-                              None if bias is None else bias._version)
-        ctx.planned = (a, backend, from_output, x.shape[:-1])
-        return result
-
-    @staticmethod
-    def backward(ctx, dy):
-        norm_cache.note_backward()
-        x2, xa, h, g, n = ctx.saved_tensors
-        _check_versions(ctx)
-        a, backend, from_output, lead = ctx.planned
-        need = ctx.needs_input_grad  # result, x, weight, lora_A, lora_B, magnitude, bias, ...
-        with our_numerics(dy.device.type):
-            dx, _dW, dA, dB, dm, db = backward_pass.planned_backward(
-                dy, x2, xa, h, g, n, a, backend, from_output, lead, Need(need[1], False, need[3], need[4], need[5], need[6])
-            )
-        return None, dx, None, dA, dB, dm, db, None, None
 
 
 def _through_result(dy2: torch.Tensor, saved: Saved, db: torch.Tensor | None):

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from . import planner
 from .forward import dropped, in_dtype, rows
 from .kernels.compose_torch import accumulation_dtype
 from .kernels.constants import eps
@@ -340,96 +339,6 @@ def layer_backward(saved: Saved, dy: torch.Tensor, a: LayerArgs, lead: tuple, ne
     return Grads(
         p.dx2.reshape(*lead, d_in) if p.dx2 is not None else None,
         dW,
-        None if dA is None else in_dtype(dA, a.lora_A.dtype),
-        None if dB is None else in_dtype(dB, a.lora_B.dtype),
-        None if dm is None else in_dtype(dm, a.magnitude.dtype),
-        db,
-    )
-
-
-def planned_backward(dy: torch.Tensor, x2: torch.Tensor, xa: torch.Tensor, h: torch.Tensor, g: torch.Tensor, n: torch.Tensor,
-                     a: LayerArgs, backend, from_output: bool, lead: tuple, need: Need) -> Grads:
-    """``layer_backward`` for the record of ``forward.planned_forward`` (a training plan's call: no
-    dropout, the default variant, the detached norm, ``fan_in_fan_out`` off, W frozen, dx through
-    the base output, eager): the same operations on the same operands in straight-line code, so
-    bitwise its gradients (tests/test_train_plan.py), without the ``_Pass`` record and the
-    questions the plan answered. Empty shapes go to ``layer_backward``."""
-    cd, (T, d_in), d_out = x2.dtype, x2.shape, g.shape[0]
-    if T == 0 or d_out == 0:
-        saved = Saved(x2, None, xa, h.reshape(T, d_out), g, n, torch.clamp_min(n, eps()), None, None, backend, from_output,
-                      planner.DEFAULT)
-        return layer_backward(saved, dy, a, lead, need)
-    dy2 = dy.reshape(T, d_out)
-    dy2 = (dy2 if dy2.dtype == cd else dy2.to(cd)).contiguous()
-    h = h.reshape(T, d_out)
-    W, A, B = in_dtype(a.weight, cd), in_dtype(a.lora_A, cd), in_dtype(a.lora_B, cd)
-    s = a.scaling
-    # One chunk where the backward is traced (compiled autograd), as ``_setup`` decides
-    step = backward_token_chunk(T, d_out, dy2.element_size()) if not tracing() else T
-    chunked = step < T
-    dx2 = torch.empty(T, d_in, dtype=cd, device=x2.device) if need.dx else None
-    prescaled = chunked and (cd == torch.float32 or (cd == torch.bfloat16 and _fp32_out_gemm(x2)))
-    one_pass = from_output and need.dm  # dm finished by the backend's dm_finish (``_finished_in_one_pass``)
-    dzB_all: Any = None
-    dzB: Any = None
-    dB: Any = None
-    dm_sum: Any = None
-    if prescaled:  # ``_prescale``
-        if need.dx or need.dA:
-            gB = torch.empty_like(B)
-            torch.mul(B, g[:, None], out=gB)
-            dzB_all = torch.mm(dy2, gB)
-            del gB
-        if dx2 is not None:
-            torch.addmm(_zero_scalar(dx2), dzB_all, A, beta=0, alpha=s, out=dx2)
-        if need.dB:
-            dB = _row_scaled_tmm(dy2, xa, g, s, a.lora_B.dtype)
-    elif need.dA and chunked:
-        dzB_all = torch.empty(T, A.shape[0], dtype=cd, device=dy2.device)
-    dm_parts: list = []
-    dm_rows = 0  # rows of dm_parts (a running count: the host pays for every op here)
-    for t0 in range(0, T, step):  # ``_chunk``, once per token chunk
-        t1 = min(T, t0 + step)
-        dy_c = dy2[t0:t1] if chunked else dy2
-        dz, dm_c = backend.grad_scale_dm(dy_c, h[t0:t1] if chunked else h, g, n, a.bias, from_output, True,
-                                         not chunked and not one_pass)
-        if chunked:
-            dm_parts.append(dm_c)
-            dm_rows += dm_c.shape[0]
-            if dm_rows * d_out * 4 > _DM_PARTS_BYTES:
-                dm_parts = [torch.cat(dm_parts).sum(0, keepdim=True)]
-                dm_rows = 1
-        else:
-            dm_sum = dm_c
-        if prescaled:
-            if dx2 is not None:
-                dx2[t0:t1].addmm_(dz, W)
-            continue
-        dzB = torch.mm(dz, B, out=dzB_all[t0:t1]) if dzB_all is not None else torch.mm(dz, B)
-        if dx2 is not None:
-            out = dx2[t0:t1] if chunked else dx2
-            torch.mm(dz, W, out=out)
-            out.addmm_(dzB, A, alpha=s)
-        if need.dB:
-            if not chunked:
-                dB = _scaled_mm(dz.t(), xa, s)
-            else:
-                part = dz.t() @ xa[t0:t1]
-                dB = part.to(accumulation_dtype(x2, g)) if dB is None else dB.add_(part)
-    dA = _scaled_mm((dzB_all if chunked else dzB).t(), x2, s) if need.dA else None
-    if one_pass:  # ``_dm``
-        parts = (torch.cat(dm_parts) if len(dm_parts) > 1 else dm_parts[0]) if dm_parts else dm_sum
-        dm = backend.dm_finish(parts, dy2, x2, W, xa, B, g, n, s, a.magnitude.dtype)
-    else:
-        if dm_parts:
-            dm_sum = torch.cat(dm_parts).sum(0) if len(dm_parts) > 1 else dm_parts[0].sum(0)
-        dm = dm_sum if need.dm else None
-    if dB is not None and chunked and not prescaled:
-        dB.mul_(s)
-    db = dy2.to(accumulation_dtype(x2, g)).sum(0).to(a.bias.dtype) if (need.db and a.bias is not None) else None
-    return Grads(
-        dx2.reshape(*lead, d_in) if dx2 is not None else None,
-        None,
         None if dA is None else in_dtype(dA, a.lora_A.dtype),
         None if dB is None else in_dtype(dB, a.lora_B.dtype),
         None if dm is None else in_dtype(dm, a.magnitude.dtype),

@@ -137,7 +137,7 @@ def _plain_cuda_triton(device: torch.device) -> bool:
     triton present, nothing forced, not tracing (one environment read; about 1 µs instead of 2.6
     on a 2-core AMD EPYC). False means "ask ``choose_path``", not "torch"."""
     # is_compiling first: Dynamo cannot trace ContextVar.get, and a graph break in every layer
-    # made compiled decode 7x slower (H200, 2026-12-01: 41.7 against 278.5 tok/s).
+    # made compiled decode 7x slower (H200: 41.7 against 278.5 tok/s).
     return (device.type == "cuda" and _HAS_TRITON and not torch.compiler.is_compiling() and not _PATH_OVERRIDE.get()
             and not os.environ.get("DORACHECK_PATH"))
 

@@ -1,7 +1,7 @@
 """The DoRA forward pass, for both entry points (docs/design.md section 1).
 
 With x_d = dropout(x) (x_d = x without dropout) and the compute dtype c = x.dtype:
-    n    = ||W + s·B·A|| rows  (factored, fp32; reused only as ``norm_cache`` allows)
+    n    = ||W + s·B·A|| rows  (factored, fp32; reused only as ``norm_rule`` allows)
     g    = m / max(n, eps)                                     fp32, never rounded to c
     base = x·Wᵀ,  base_d = x_d·Wᵀ,  xa = x_d·Aᵀ,  lora = xa·Bᵀ  GEMMs in c (autocast-like)
     y    = base + b + (g-1)⊙base_d + g⊙s⊙lora                  fp32, rounded once to c
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import norm_cache, norm_groups, planner
+from . import norm_rule, planner
 from .kernels.backends import Backend
 from .kernels.compose_torch import magnitude_scale
 from .kernels.constants import eps
@@ -50,51 +50,27 @@ def in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def norm_with_floor(backend: Backend, weight, lora_A, lora_B, scaling: float, fan_in_fan_out: bool, need_factors: bool = False):
-    """(FactoredNorm, max(n, eps)), without autograd, for the layer's evaluation forwards and for
-    ``inference_norms``' buffers alike. A training forward gets both with g from
-    ``Backend.scaled_norm``, bitwise the same n and max(n, eps) (its Triton kernel forms max(n, eps)
-    as torch.clamp_min does; tests/test_norm_graphs.py), so a buffer is bitwise the layer's own."""
+    """(FactoredNorm, max(n, eps)), without autograd."""
     with torch.no_grad():
         fn = backend.factored_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out, need_factors)
         return fn, torch.clamp_min(fn.norm, eps())
 
 
-def norm_and_scale(backend: Backend, a: LayerArgs, *, need_g: bool, recording: bool, grouped: bool = False):
-    """(FactoredNorm, g = m / max(n, eps) or None, max(n, eps)). The norm, max(n, eps) and g may
-    come from the norm cache (``norm_cache.lookup_or_compute`` says when; the magnitude is part
-    of its key, so a stored g is only read for the same m, same version). In practice a stored
-    g is read by the activation-checkpoint recompute inside a backward, which saves the host one
-    op per layer and step; anything else that reads a stored norm recomputes g if it wants it
-    and the entry has none. ``need_g=False``: the compose divides m by max(n, eps) itself.
-    ``recording``: autograd records this forward. ``grouped``: a training plan's call, whose norm,
-    n_safe and g may come from its group's one refresh (``norm_groups``; bitwise the same)."""
+def norm_and_scale(backend: Backend, a: LayerArgs, *, need_g: bool, recording: bool):
+    """(FactoredNorm, g = m / max(n, eps) or None, max(n, eps)). With the detached norm, the norm
+    and max(n, eps) are computed or reused as ``norm_rule`` decides (``recording``: autograd
+    records this forward); g is formed from them at every call. ``need_g=False``: the compose
+    divides m by max(n, eps) itself. The exact-norm mode also needs U and G and is not reused."""
+    if a.detach_norm:
 
-    def compute(need_factors: bool):
-        return norm_with_floor(backend, a.weight, a.lora_A, a.lora_B, a.scaling, a.fan_in_fan_out, need_factors)
+        def compute():
+            fn, n_safe = norm_with_floor(backend, a.weight, a.lora_A, a.lora_B, a.scaling, a.fan_in_fan_out)
+            return fn._replace(U=None, G=None), n_safe
 
-    if a.detach_norm:  # U, G are not needed: the cache keeps the four d_out vectors, n_safe and g
-
-        def compute_stored():
-            if grouped and need_g:
-                from_group = norm_groups.scaled_norm(backend, a)
-                if from_group is not None:
-                    return from_group
-            if need_g:  # the norm, max(n, eps) and g in one backend call (the Triton one: one graph replay)
-                fn, n_safe, g = backend.scaled_norm(a.weight, a.lora_A, a.lora_B, a.magnitude, a.scaling, a.fan_in_fan_out)
-                return fn._replace(U=None, G=None), n_safe, g
-            fn, n_safe = compute(False)
-            return fn._replace(U=None, G=None), n_safe, None
-
-        fn, n_safe, g = norm_cache.lookup_or_compute(
-            a.weight, a.lora_A, a.lora_B, a.scaling, a.fan_in_fan_out, compute_stored, tag=backend.name,
-            recording=recording, magnitude=a.magnitude,
-        )
-        if not need_g:
-            g = None
-        elif g is None:
-            g = magnitude_scale(a.magnitude, n_safe)
-        return fn, g, n_safe
-    fn, n_safe = compute(True)  # U and G are needed; not worth caching (training-only mode)
+        fn, n_safe = norm_rule.lookup_or_compute(a.weight, a.lora_A, a.lora_B, a.scaling, a.fan_in_fan_out, compute,
+                                                 tag=backend.name, recording=recording)
+    else:
+        fn, n_safe = norm_with_floor(backend, a.weight, a.lora_A, a.lora_B, a.scaling, a.fan_in_fan_out, True)
     return fn, (magnitude_scale(a.magnitude, n_safe) if need_g else None), n_safe
 
 
@@ -149,22 +125,10 @@ def linear_forward(x: torch.Tensor, a: LayerArgs, keep_mask: torch.Tensor | None
     return y, Saved(x2, keep, xa, h if need_saved else None, g, fn.norm, n_safe, fn.U, fn.G, backend, from_output, variant)
 
 
-def compose_armed(result: torch.Tensor, x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, magnitude: torch.Tensor,
-                  bias: torch.Tensor | None, scaling: float, n_safe: torch.Tensor, backend: Backend) -> torch.Tensor:
-    """Inference with max(n, eps) at hand (an armed ``inference_norms`` buffer): y = b + g⊙(result
-    - b + s·(x·Aᵀ)·Bᵀ), g = m / n_safe formed in the compose, written in place into ``result``
-    (x·Wᵀ + b, contiguous, in x's dtype; the caller checks). The very operations of
-    ``from_base_forward(..., need_saved=False, n_safe=n_safe)``, so bitwise its output, in fewer
-    host steps: this runs for every layer of every eager decode token."""
-    x2 = x.reshape(-1, x.shape[-1])
-    _infer_into(result.view(x2.shape[0], result.shape[-1]), x2, lora_A, lora_B, magnitude, bias, scaling, n_safe, backend)
-    return result
-
-
 def _infer_into(r2: torch.Tensor, x2: torch.Tensor, lora_A, lora_B, magnitude, bias, scaling: float, n_safe: torch.Tensor,
                 backend: Backend) -> None:
-    """r2 (T, d_out) = b + g⊙(r2 - b + s·(x2·Aᵀ)·Bᵀ), g = m / n_safe formed in the compose: the
-    inference compose of both entry points (the armed short path and ``from_base_forward``)."""
+    """r2 (T, d_out) = b + g⊙(r2 - b + s·(x2·Aᵀ)·Bᵀ), g = m / n_safe formed in the compose
+    (inference: nothing kept for a backward)."""
     A = in_dtype(lora_A, x2.dtype)
     _write(r2, backend.compose_infer(r2, F.linear(x2, A), lora_B, magnitude, n_safe, _contiguous_bias(bias), scaling, True))
 
@@ -214,29 +178,3 @@ def from_base_forward(result: torch.Tensor, x: torch.Tensor, a: LayerArgs, keep_
     if not need_saved or fn is None or g is None:
         return out, None
     return out, Saved(x2, keep, xa, h, g, fn.norm, n_safe, None, None, backend, from_output, planner.DEFAULT)
-
-
-def planned_forward(result: torch.Tensor, x: torch.Tensor, a: LayerArgs, backend: Backend):
-    """``from_base_forward(result, x, a, None, backend, need_saved=True)`` for the one call a
-    training plan covers (``integrations.peft_train``: the first active adapter, no dropout,
-    ``fan_in_fan_out`` off, the detached norm, eager, ``result`` contiguous): the same operations
-    on the same operands in straight-line code, so bitwise its output, without the general
-    path's questions (the plan answered them) and without a ``Saved`` record. The eager
-    training step is host-bound (issue 17). Measured (twenty-first pass): 299 against 319 µs a
-    layer forward + backward on a 2-core CPU; on the H200 hosts no step difference the spread
-    resolves. (A yardstick that also drops the token chunks and the norm-cache rule,
-    benchmarks/bare_layer_probe.py, ran the step 7-23 ms faster.)
-
-    Returns (x2, xa, h, g, n, from_output): x as (T, d_in) in the compute dtype, x·Aᵀ, what the
-    backward reads z from (``result`` itself, now y = g⊙z (+ b), when ``from_output``; else z),
-    g = m / max(n, eps) and the norm n."""
-    cd, d_out = result.dtype, result.shape[-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.dtype != cd:
-        x2 = x2.to(cd)
-    r2 = result.view(x2.shape[0], d_out)
-    fn, g, _ = norm_and_scale(backend, a, need_g=True, recording=True, grouped=True)
-    xa = F.linear(x2, a.lora_A if a.lora_A.dtype == cd else a.lora_A.to(cd))
-    y, h, from_output = backend.compose_saving(r2, xa, a.lora_B, g, _contiguous_bias(a.bias), a.scaling, True, True)
-    _write(r2, y)
-    return x2, xa, (result if from_output else h), g, fn.norm, from_output

@@ -1,42 +1,27 @@
-"""Norms as module state for inference and decode, eager and compiled.
+"""The norm rule applied to a whole model before a forward without grad mode, so that compiled
+inference and decode read each layer's norm instead of recomputing it.
 
-Under torch.compile a Python-side cache is not consulted (docs/design.md section 6): a compiled
-decode step recomputed every layer's norm for every token (per layer a d_out×d_in×r GEMM, as
-much work as r tokens of the layer itself; measured: compiled decode at 0.30x compiled PEFT
-LoRA's tokens/s). Here the norm becomes module state that the model refreshes:
+Under torch.compile a Python-side lookup is not consulted (docs/design.md section 6): a compiled
+decode step would recompute every layer's norm for every token. ``attach(layers, entry_points)``
+(``integrations.peft.enable``) gives every accelerated (module, adapter) a ``NormSlot`` and hooks
+the entry points: the PEFT model (outer) and the base model its ``generate`` calls (inner).
 
-- ``attach(layers, entry_points)`` (``integrations.peft.enable``) gives every accelerated
-  (module, adapter) a ``NormSlot``: max(n, eps) in fp32 as a non-persistent buffer of the module
-  (not in ``state_dict``; a static input to CUDA graphs), and hooks the entry points: the PEFT
-  model (outer) and the base model its ``generate`` calls (inner), sharing one ``_Holder``.
-- Before a forward of an entry point, ``_prepare`` decides: without grad mode (evaluation,
-  generation) it brings every buffer up to date and *arms* those layers (a flag on each layer
-  module); otherwise it disarms them. The post-hook of the entry point that prepared disarms
-  them again (Python's ``KeyboardInterrupt`` skips it: then the next eager call of either
-  entry point, or the next era end, does). Traced inside the outer model's compiled body, the
-  inner hook does nothing when the outer one already prepared this forward.
-- ``_prepare`` and ``_finish`` are ``torch.compiler.disable``d and are called only where they
-  must run. When the base model's ``__call__`` alone is compiled (transformers does that for a
-  static cache in ``generate``) its traced hooks break the graph before and after the body and
-  run them eagerly, so the compiled decode step reads the buffers. When the outer model is
-  traced (``torch.compile(peft_model)``, with ``fullgraph=True`` too) no hook breaks the graph
-  and nothing is armed: that graph computes the norms itself.
-- An armed layer reads max(n, eps) from its buffer instead of computing the norm (eager: no
-  per-layer cache lookup; compiled: the graph reads the buffer). Dynamo guards on the flag, so
-  a graph that reads buffers runs only for layers their own model prepared; a layer called any
-  other way (a submodule on its own, inside another model's forward, a training forward)
-  computes its norm.
+- Before a forward of an entry point without grad mode, ``_prepare`` brings each slot's
+  max(n, eps) (fp32, kept in the layer's ``ModuleState``, not in ``state_dict``) up to date by
+  ``norm_rule`` (the same stamp, era and lookup as every other path) and *arms* the layer; with
+  grad mode, after a backward (until the next era), under FSDP2 or while tracing it disarms them.
+  The post-hook disarms them again (Python's ``KeyboardInterrupt`` skips it: then the next eager
+  call of either entry point, or the next era end, does).
+- ``generate`` is wrapped so that one call prepares once and stays armed until it returns: no
+  forward of it trains, and per-token checks would break the compiled decode step's graph.
+- An armed layer reads max(n, eps) from its state (eager and compiled; Dynamo guards on the
+  flag). When the base model's ``__call__`` alone is compiled (transformers does that for a
+  static cache) its hooks run eagerly around the compiled body; when the outer model is traced
+  nothing is armed and that graph computes its norms. A slot whose tensors are not the layer's
+  2-D matrices (sharded, offloaded to meta, inference tensors) leaves its layer unarmed.
 
-When a buffer is refreshed is the norm-reuse rule of ``norm_cache`` for forwards without grad
-mode, checked per slot in a few attribute reads: recomputed when W, A or B is another tensor,
-at another address, of another shape or at another version, when s changes, and after every
-optimizer step or training forward (a new era); nothing is armed while a backward may have been
-followed by writes nothing sees (the era's ``backward_seen``) or under FSDP2, and a slot whose
-tensors are not the layer's 2-D matrices (FSDP1 or ZeRO-3 shards outside their unit's forward)
-leaves its layer unarmed. The one write nothing can see is the eager rule's too: ``param.data``
-edits between two inference calls with no backward or optimizer step between them (or after a
-backward that torch.compile compiled, which cannot record that it ran); call
-``doracheck.clear_norm_cache()`` after those (it ends the era: every buffer is refreshed).
+Writes the rule cannot see are the rule's: ``param.data`` edits between two inference calls, or
+from inside a ``generate`` call (a streamer that edits weights): call ``clear_norm_cache()``.
 """
 
 from __future__ import annotations
@@ -49,18 +34,40 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import dispatch, norm_cache
+from . import dispatch, norm_rule
 from .forward import norm_with_floor
 from .kernels.tracing import tracing
 from .numerics import our_numerics
 
-_NAMES = "_doracheck_norm_buffers"  # on each layer module: {adapter: buffer name}
-_ARMED = "_doracheck_norms_armed"  # on each layer module: bool, read by the layer
-_HOOKS = "_doracheck_norm_hooks"
-_HOLDER = "_doracheck_norm_holder"  # on each entry point: the _Holder of its model
-_ROLE = "_doracheck_norm_role"  # on each entry point: "outer" or "inner"
-_GENERATE = "_doracheck_user_generate"  # on each entry point: a ``generate`` the instance had before ``attach``
-_WRAPPED = "_doracheck_generate_wrapped"  # on each entry point whose ``generate`` is ``_generate``
+STATE = "_doracheck"  # the one private attribute doracheck sets on a module: a ``ModuleState``
+
+
+class ModuleState:
+    """What doracheck keeps on a module it touches, under the one attribute ``_doracheck``.
+
+    On a routed PEFT LoRA layer: ``originals`` (adapter -> PEFT's own variant, for ``disable``),
+    ``norms`` (adapter -> max(n, eps), fp32 (d_out,)), ``armed`` (the model's pre-hook brought
+    ``norms`` up to date for this forward). On an entry point: ``holder`` (shared with the
+    model's other entry point), ``role`` ("outer" or "inner"), ``hooks``, and the ``generate``
+    the instance had before ``attach`` (``user_generate``; ``wrapped`` when ours is installed)."""
+
+    def __init__(self) -> None:
+        self.originals: dict = {}
+        self.norms: dict[str, torch.Tensor] = {}
+        self.armed = False
+        self.holder: _Holder | None = None
+        self.role: str | None = None
+        self.hooks: tuple = ()
+        self.user_generate: Any = None
+        self.wrapped = False
+
+
+def state_of(module: nn.Module) -> ModuleState:
+    """The module's ``ModuleState``, made on first use."""
+    state = module.__dict__.get(STATE)
+    if state is None:
+        state = module.__dict__[STATE] = ModuleState()
+    return state
 
 
 def _find_holders(module: nn.Module, adapter: str) -> tuple | None:
@@ -105,17 +112,18 @@ def _still_held(module: nn.Module, adapter: str, holders: tuple) -> tuple | None
 
 
 class NormSlot:
-    """max(n, eps) of one (module, adapter) as a buffer of the module, and what it was computed from."""
+    """max(n, eps) of one (module, adapter), kept in the module's ``ModuleState``, and the
+    stamp and era it was computed for."""
 
-    def __init__(self, module: nn.Module, adapter: str, name: str):
-        self.module, self.adapter, self.name = module, adapter, name
+    def __init__(self, module: nn.Module, adapter: str):
+        self.module, self.adapter = module, adapter
         self.stamp: tuple | None = None
         self._holders: tuple | None = None  # weak references: (base-layer chain, lora_A module, lora_B module) last seen
 
     def __getstate__(self) -> dict:
         """Pickled (``torch.save`` of a whole model) without the weak references, which cannot
         be pickled, and without the stamp, whose ids and addresses mean nothing elsewhere: the
-        loaded slot finds its modules and refreshes its buffer on first use."""
+        loaded slot finds its modules and refreshes its norm on first use."""
         return {**self.__dict__, "stamp": None, "_holders": None}
 
     def _tensors(self):
@@ -125,8 +133,7 @@ class NormSlot:
         the modules that hold W, A and B are remembered and only checked to still be where the
         layer keeps them: a few dict lookups instead of PEFT's ``get_base_layer()`` and
         ``Module.__getattr__``. With ``refresh`` comparing its stamp before any other check, the
-        check of 28 layers went from 170 to 62 µs per forward on a 2-core AMD EPYC
-        (benchmarks/prepare_cost.py)."""
+        check of 28 layers takes about 60 µs per forward on a 2-core AMD EPYC instead of 170."""
         held = None if self._holders is None else _still_held(self.module, self.adapter, self._holders)
         if held is None:
             self._holders = _find_holders(self.module, self.adapter)
@@ -142,58 +149,60 @@ class NormSlot:
             return None
 
     def refresh(self, era: int) -> bool:
-        """Bring the buffer up to date (recomputed unless W, A, B (object, address, shape,
-        version), s, the era and the buffer itself are those it was computed from). False when
-        the adapter is gone or the tensors are not the layer's matrices (sharded)."""
+        """Bring the slot's max(n, eps) up to date by ``norm_rule`` (its stamp, the era and the
+        path as when last computed: nothing to do). False when the adapter is gone or the tensors
+        are not the layer's matrices (sharded, offloaded, inference tensors)."""
         tensors = self._tensors()
         if tensors is None:
             return False
         W, A, B = tensors
-        if W.dim() != 2 or A.dim() != 2 or B.dim() != 2:
+        if W.dim() != 2 or A.dim() != 2 or B.dim() != 2 or W.is_meta or A.is_meta or B.is_meta:
+            # Meta: offloaded (accelerate's device_map to "cpu"/"disk"); the layer's own hook loads
+            # the weights inside the forward and the layer computes its norm itself.
             return False
         module = self.module
         fan_in_fan_out = bool(getattr(module, "fan_in_fan_out", False))
         scaling: dict = getattr(module, "scaling")  # noqa: B009 (PEFT's per-adapter dict; typed for mypy)
         s = float(scaling[self.adapter])
-        buffer = module._buffers.get(self.name)
-        # Compared first: this runs for every layer before every decode token, and the checks
-        # below only need to run when something changed.
-        try:
-            stamp = (era, s, fan_in_fan_out, id(W), id(A), id(B), W.data_ptr(), A.data_ptr(), B.data_ptr(), W._version,
-                     A._version, B._version, W.shape, A.shape, B.shape, W.dtype, A.dtype, B.dtype, W.device, id(buffer),
-                     None if buffer is None else buffer.dtype)
-        except RuntimeError:  # inference tensors have no version counter: the layer computes its own norm
+        key = norm_rule.stamp(W, A, B, s, fan_in_fan_out)
+        if key is None:  # inference tensors have no version counter: the layer computes its own norm
             return False
+        backend = dispatch.backend_for(W, A, B)
+        norms = state_of(module).norms
+        buffer = norms.get(self.adapter)
+        stamp = (key, era, backend.name, id(buffer))
         if stamp == self.stamp:
             return True
-        if W.is_meta or A.is_meta or B.is_meta:
-            # Offloaded (accelerate's device_map to "cpu"/"disk", cpu_offload): the weights are
-            # meta tensors until the layer's own hook loads them inside the forward; the layer
-            # then computes its norm itself.
-            return False
         d_out, d_in = (W.shape[1], W.shape[0]) if fan_in_fan_out else (W.shape[0], W.shape[1])
         if A.shape[1] != d_in or tuple(B.shape) != (d_out, A.shape[0]):
             return False
+
+        def compute():
+            fn, n_safe = norm_with_floor(backend, W, A, B, s, fan_in_fan_out)
+            return fn._replace(U=None, G=None), n_safe
+
         with our_numerics(W.device.type):
-            _, n_safe = norm_with_floor(dispatch.backend_for(W, A, B), W, A, B, s, fan_in_fan_out)
+            _, n_safe = norm_rule.lookup_or_compute(W, A, B, s, fan_in_fan_out, compute, recording=False, tag=backend.name)
         if buffer is None or buffer.shape != n_safe.shape or buffer.dtype != n_safe.dtype or buffer.device != n_safe.device:
-            # First use, or moved / cast by .to(). Made outside inference mode, so that a buffer
-            # first filled under torch.inference_mode() can still be rewritten under no_grad.
+            # First use, or the model moved or cast by .to(). Made outside inference mode, so that a
+            # buffer first filled under torch.inference_mode() can still be rewritten under no_grad;
+            # marked static so that CUDA-graph replays of a compiled decode step read it in place.
             with torch.inference_mode(False):
                 buffer = torch.empty(n_safe.shape, dtype=n_safe.dtype, device=n_safe.device)
-            self.module.register_buffer(self.name, buffer, persistent=False)
+            if buffer.is_cuda:
+                torch._dynamo.mark_static_address(buffer)
+            norms[self.adapter] = buffer
         buffer.copy_(n_safe)
-        self.stamp = (*stamp[:-2], id(buffer), buffer.dtype)
+        self.stamp = (key, era, backend.name, id(buffer))
         return True
 
 
 def norm_buffer(module: nn.Module, adapter: str) -> torch.Tensor | None:
-    """The armed max(n, eps) buffer of (module, adapter), or None (not armed, or no slot)."""
-    if not getattr(module, _ARMED, False):
+    """The armed max(n, eps) of (module, adapter), or None (not armed, or no slot)."""
+    state = module.__dict__.get(STATE)
+    if state is None or not state.armed:
         return None
-    names = getattr(module, _NAMES, None)
-    name = None if names is None else names.get(adapter)
-    return None if name is None else module._buffers.get(name)
+    return state.norms.get(adapter)
 
 
 class _Holder:
@@ -222,24 +231,23 @@ _holders: weakref.WeakSet = weakref.WeakSet()
 
 def _arm(slots: list[NormSlot], value: bool) -> None:
     for slot in slots:
-        slot.module.__dict__[_ARMED] = value
+        state_of(slot.module).armed = value
 
 
 @torch.compiler.disable
 def _prepare(model: nn.Module, holder: _Holder) -> None:
     with _lock:
         holder.prepared, holder.owner = True, model
-        if torch.is_grad_enabled() or tracing() or norm_cache.backward_seen() or norm_cache.fsdp_active():
+        if torch.is_grad_enabled() or tracing() or norm_rule.backward_seen() or norm_rule.fsdp_active():
             _arm(holder.slots, False)
             return
-        era = norm_cache.era()
-        for slot in holder.slots:
-            slot.module.__dict__[_ARMED] = False
-            if slot.refresh(era):
-                slot.module.__dict__[_ARMED] = True
+        era = norm_rule.era()
+        fresh = {id(slot): slot.refresh(era) for slot in holder.slots}
         for slot in holder.slots:  # a module with one slot that could not be refreshed stays unarmed
-            if slot.stamp is None or slot.stamp[0] != era:
-                slot.module.__dict__[_ARMED] = False
+            state_of(slot.module).armed = True
+        for slot in holder.slots:
+            if not fresh[id(slot)]:
+                state_of(slot.module).armed = False
 
 
 @torch.compiler.disable
@@ -259,7 +267,8 @@ def _generating_here(holder: _Holder) -> bool:
 
 
 def _before(model: nn.Module, args) -> None:
-    holder = model.__dict__.get(_HOLDER)
+    state = model.__dict__.get(STATE)
+    holder = None if state is None else state.holder
     if holder is None or _generating_here(holder):  # inside generate: prepared once for the whole call
         return
     if torch.compiler.is_compiling():
@@ -268,7 +277,7 @@ def _before(model: nn.Module, args) -> None:
         # traced on its own (transformers compiles its __call__ for a static cache): a graph
         # break, and _prepare runs eagerly before the compiled body.
         # (Not skipped when an earlier forward was left prepared, by Ctrl-C: decided again.)
-        if model.__dict__.get(_ROLE) == "outer":
+        if state.role == "outer":
             holder.outer_traced = True
             return
         if holder.outer_traced:
@@ -277,10 +286,11 @@ def _before(model: nn.Module, args) -> None:
 
 
 def _after(model: nn.Module, args, output) -> None:
-    holder = model.__dict__.get(_HOLDER)
+    state = model.__dict__.get(STATE)
+    holder = None if state is None else state.holder
     if holder is None or _generating_here(holder):
         return
-    if torch.compiler.is_compiling() and model.__dict__.get(_ROLE) == "outer":
+    if torch.compiler.is_compiling() and state.role == "outer":
         holder.outer_traced = False
         return
     if holder.owner is model:
@@ -323,7 +333,7 @@ def _generate(self: nn.Module, *args, **kwargs):
 
     Per forward, the check costs host time between two graph breaks when transformers compiles
     the base model's ``__call__`` for a static cache (its hooks break the graph), once per
-    decode token: on the H200 host of 2026-12-01 that held compiled decode at 0.77x compiled
+    decode token: on an H200 host that held compiled decode at 0.77x compiled
     PEFT LoRA's tokens/s while the kernels took 5% longer than LoRA's. Within one ``generate``
     call nothing trains and no forward with grad mode runs, so the buffers checked at its start
     stay valid: the hooks do nothing until it returns, and the compiled decode step has no
@@ -331,8 +341,9 @@ def _generate(self: nn.Module, *args, **kwargs):
     that edits weights) is not seen unless it ends the era (``doracheck.clear_norm_cache()``:
     the layers are then disarmed and compute their own norms). Forwards of other threads
     meanwhile prepare for themselves (eager ones; see ``_generating_here``)."""
-    holder = self.__dict__.get(_HOLDER)
-    original = self.__dict__.get(_GENERATE)
+    state = self.__dict__.get(STATE)
+    holder = None if state is None else state.holder
+    original = None if state is None else state.user_generate
     generate = original if original is not None else type(self).generate.__get__(self)  # type: ignore[attr-defined]
     if holder is None:
         return generate(*args, **kwargs)
@@ -351,7 +362,7 @@ def _on_era_end() -> None:
             holder.prepared, holder.owner = False, None
 
 
-norm_cache.on_era_end(_on_era_end)
+norm_rule.on_era_end(_on_era_end)
 
 
 def attach(layers: list[tuple[nn.Module, str]], entry_points: list[nn.Module]) -> None:
@@ -362,47 +373,49 @@ def attach(layers: list[tuple[nn.Module, str]], entry_points: list[nn.Module]) -
         _remove_hooks(entry)
     slots = []
     for module, adapter in layers:
-        names = module.__dict__.setdefault(_NAMES, {})
-        name = names.get(adapter) or f"_doracheck_norm_{len(names)}"
-        names[adapter] = name
-        module.__dict__[_ARMED] = False
-        slots.append(NormSlot(module, adapter, name))
+        state_of(module).armed = False
+        slots.append(NormSlot(module, adapter))
     holder = _Holder(slots)
     _holders.add(holder)
     for i, entry in enumerate(entry_points):
-        entry.__dict__[_HOLDER] = holder
-        entry.__dict__[_ROLE] = "outer" if i == 0 else "inner"
-        entry.__dict__[_HOOKS] = (entry.register_forward_pre_hook(_before),
-                                  entry.register_forward_hook(_after, always_call=True))
+        state = state_of(entry)
+        state.holder = holder
+        state.role = "outer" if i == 0 else "inner"
+        state.hooks = (entry.register_forward_pre_hook(_before), entry.register_forward_hook(_after, always_call=True))
         if callable(getattr(type(entry), "generate", None)) or callable(entry.__dict__.get("generate")):
             # A partial of a module-level function: copy.deepcopy binds it to the copy, pickle
             # stores the function by name (a bound method would be looked up as ``entry._generate``).
             if "generate" in entry.__dict__:
-                entry.__dict__[_GENERATE] = entry.__dict__["generate"]
+                state.user_generate = entry.__dict__["generate"]
             entry.__dict__["generate"] = functools.partial(_generate, entry)
-            entry.__dict__[_WRAPPED] = True
+            state.wrapped = True
 
 
 def _remove_hooks(entry: nn.Module) -> None:
-    for handle in entry.__dict__.pop(_HOOKS, ()):
+    state = entry.__dict__.get(STATE)
+    if state is None:
+        return
+    for handle in state.hooks:
         handle.remove()
-    if entry.__dict__.pop(_WRAPPED, False):
+    state.hooks = ()
+    if state.wrapped:
         current = entry.__dict__.get("generate")
-        users = entry.__dict__.pop(_GENERATE, None)
         if isinstance(current, functools.partial) and current.func is _generate:  # ours, not one set after attach
             entry.__dict__.pop("generate")
-            if users is not None:
-                entry.__dict__["generate"] = users
-    entry.__dict__.pop(_HOLDER, None)
-    entry.__dict__.pop(_ROLE, None)
+            if state.user_generate is not None:
+                entry.__dict__["generate"] = state.user_generate
+    state.wrapped, state.user_generate, state.holder, state.role = False, None, None, None
 
 
 def detach(model: nn.Module) -> None:
-    """Remove every hook, flag and norm buffer ``attach`` added anywhere in ``model`` (a
-    ``torch.compile`` wrapper is looked through)."""
+    """Remove every hook, flag and norm ``attach`` added anywhere in ``model`` (a
+    ``torch.compile`` wrapper is looked through); a module's state goes once nothing is left in it."""
     model = getattr(model, "_orig_mod", model)
     for module in model.modules():
         _remove_hooks(module)
-        module.__dict__.pop(_ARMED, None)
-        for name in (module.__dict__.pop(_NAMES, None) or {}).values():
-            module._buffers.pop(name, None)
+        state = module.__dict__.get(STATE)
+        if state is not None:
+            state.armed = False
+            state.norms.clear()
+            if not state.originals:
+                module.__dict__.pop(STATE)

@@ -64,12 +64,11 @@ DEFAULT = Variant()
 
 @dataclass(frozen=True)
 class Ceilings:
-    """What the cost model divides by. H200 figures measured here (benchmarks/README.md):
+    """What the cost model divides by. H200 figures measured here:
     bf16 GEMM 687 TFLOP/s (8192³, cuBLAS), copy 4246 GB/s counting read + write; fp32 GEMM
     taken as bf16/14 (no tensor cores; cuBLAS fp32 about 50 TFLOP/s, H200 datasheet 67);
     a kernel costs at least ``kernel_s`` on the GPU. Host cost per modelled op, from the
-    host-bound rows (T = 1 and 256) of ``doracheck bench --plan`` on two H200 machines
-    (2026-11-29; benchmarks/results/plan_h200.csv and its repeat plan_h200_validate.csv, both
+    host-bound rows (T = 1 and 256) of ``doracheck bench --plan`` on two H200 machines (two
     tables pooled): a forward op 38 µs (median no_grad forward 0.230 ms over 6 modelled ops;
     0.262 and 0.210 ms in the two tables apart), a backward op 65 µs (the autograd engine and
     the Python backward included; median training call 1.235 ms measured, 1.241 predicted).

@@ -9,9 +9,6 @@ Ops (``cd``: the compute dtype of ``base``; ``g`` = m / max(n, eps) in fp32; ``s
 - ``factored_norm(weight, lora_A, lora_B, s, fan_in_fan_out, need_factors) -> FactoredNorm``;
   ``need_factors`` asks for U = W·Aᵀ and G = A·Aᵀ too (the exact-norm backward), which only the
   torch twin forms: the Triton twin hands those calls to it.
-- ``scaled_norm(weight, lora_A, lora_B, m, s, fan_in_fan_out) -> (FactoredNorm, n_safe, g)``:
-  the norm (no U, G), n_safe = max(n, eps) and g = m / n_safe, all without autograd;
-  the Triton twin forms all of it in the norm's own launches (one CUDA graph replay).
 - ``compose_infer(base, xa, lora_B, m, n_safe, bias, s, base_has_bias) -> y``: inference,
   y = b + g⊙(base [- b] + s·xa·Bᵀ) with g = m / n_safe formed by the op.
 - ``compose_saving(base, xa, lora_B, g, bias, s, base_has_bias, output_may_stand_for_z)
@@ -40,11 +37,7 @@ from .compose_torch import (
     lora_up_compose_torch,
     magnitude_scale,
 )
-from .constants import eps
 from .norm_torch import FactoredNorm, factored_norm_torch
-from .tracing import tracing
-
-_G_IN_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # m / n_safe is fp32 for these (type promotion)
 
 
 class Backend(NamedTuple):
@@ -55,7 +48,6 @@ class Backend(NamedTuple):
     compose_dropout: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     grad_scale_dm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     dm_finish: Callable[..., torch.Tensor]
-    scaled_norm: Callable[..., tuple[FactoredNorm, torch.Tensor, torch.Tensor]]
 
 
 # --- the torch twins -----------------------------------------------------------------------
@@ -63,19 +55,6 @@ class Backend(NamedTuple):
 
 def _norm_torch(weight, lora_A, lora_B, scaling, fan_in_fan_out, need_factors=False) -> FactoredNorm:
     return factored_norm_torch(weight, lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out)
-
-
-def _scaled_norm_composite(norm: Callable[..., FactoredNorm], weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out):
-    """(norm, n_safe, g) as three steps: ``norm``, torch.clamp_min, ``magnitude_scale``; without
-    autograd, as the fused kernel's (the layer asks inside its autograd Function's forward)."""
-    with torch.no_grad():
-        fn = norm(weight, lora_A, lora_B, scaling, fan_in_fan_out)
-        n_safe = torch.clamp_min(fn.norm, eps())
-        return fn, n_safe, magnitude_scale(magnitude, n_safe)
-
-
-def _scaled_norm_torch(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out):
-    return _scaled_norm_composite(_norm_torch, weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out)
 
 
 def _compose_infer_torch(base, xa, lora_B, magnitude, n_safe, bias, scaling, base_has_bias=False) -> torch.Tensor:
@@ -101,7 +80,6 @@ TORCH = Backend(
     compose_dropout=lora_up_compose_dropout_torch,
     grad_scale_dm=_grad_scale_dm_torch,
     dm_finish=dm_finish_torch,
-    scaled_norm=_scaled_norm_torch,
 )
 
 
@@ -112,8 +90,8 @@ _TRITON: list[Backend] = []
 
 
 def triton_backend() -> Backend:
-    """The Triton backend (built on first use); its kernels go through ``ops.call`` (direct
-    launches in eager, torch.library ops while torch.compile traces)."""
+    """The Triton backend (built on first use); its kernels go through ``ops.call`` (launched
+    in eager, torch.library ops while torch.compile traces)."""
     if not _TRITON:
         _TRITON.append(_build_triton_backend())
     return _TRITON[0]
@@ -146,32 +124,21 @@ def _build_triton_backend() -> Backend:
     def grad_scale_dm(dy, h, g, n, bias, from_output, final_dm, reduce):
         return ops.call("grad_scale_dm", dy, h, g, n, bias, from_output, final_dm, reduce)
 
-    def scaled_norm(weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out):
-        # One kernel forms n_safe and g where m is an fp32 or 16-bit vector of stride 1 beside
-        # CUDA adapters, in eager (while tracing, the registered factored_norm op and two torch ops).
-        if (tracing() or magnitude.dtype not in _G_IN_NORM_DTYPES or magnitude.dim() != 1 or magnitude.stride(0) != 1
-                or magnitude.device != weight.device):
-            return _scaled_norm_composite(norm, weight, lora_A, lora_B, magnitude, scaling, fan_in_fan_out)
-        base, cross, lora, n, n_safe, g = ops.call("scaled_norm", weight, lora_A, lora_B, magnitude, float(scaling),
-                                                   fan_in_fan_out).unbind(0)
-        return FactoredNorm(base, cross, lora, n, None, None), n_safe, g
-
     def dm_finish(*args: Any) -> torch.Tensor:
         return ops.call("dm_finish", *args)
 
     def compose_infer(*args: Any) -> torch.Tensor:
         return ops.compose_infer_(*args)
 
-    return Backend("triton", norm, compose_infer, compose_saving, compose_dropout, grad_scale_dm, dm_finish, scaled_norm)
+    return Backend("triton", norm, compose_infer, compose_saving, compose_dropout, grad_scale_dm, dm_finish)
 
 
 def _build_at_import() -> None:
     """Build the Triton backend when this module is imported, where CUDA and triton are both
     present, so that a first call that torch.compile traces finds it built. Built on that
     traced call instead, the emptiness of ``_TRITON`` became one of the graph's guards, and the
-    second call recompiled the whole model (12 s of a 57 s compile for ``bench_model``'s 4-layer
-    model, 25-29 s with the kernels traced into the graph; H200, torch 2.11, TORCH_LOGS=recompiles,
-    ``benchmarks/results/compile_time_eighteenth_h200.txt``). Elsewhere (CPU-only machines, the
+    second call recompiled the whole model (12 s of a 57 s compile for the 4-layer benchmark
+    model, 25-29 s with the kernels traced into the graph; H200, torch 2.11, TORCH_LOGS=recompiles). Elsewhere (CPU-only machines, the
     interpreter) nothing traced asks for it: a traced call on CPU tensors takes the torch path.
 
     ``torch.cuda.device_count()`` asks NVML where it can, so importing doracheck does not

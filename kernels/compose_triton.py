@@ -23,14 +23,11 @@ dm is bitwise deterministic (no atomics).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import fast_launch
 from .constants import eps
 from .settings import compose_config, compose_tma_config, grad_config
 from .triton_common import cdiv, dot_acc, interpreting, launcher, round_to, traced_launch, unused_pointer
@@ -233,23 +230,17 @@ def lora_up_compose_triton(
     ``base_has_bias``: ``base`` already holds x·Wᵀ + b (no dropout): y = g⊙(base - b + s·lora) + b.
     ``n_safe``: then ``g`` is the magnitude m and the kernel forms g = m / n_safe itself
     (correctly rounded, as torch divides), which saves the host one op per call."""
-    return _compose(base, xa, lora_B, g, scaling, bias, base_dropped, out, z_out, base_has_bias, n_safe)[0]
-
-
-def _compose(base, xa, lora_B, g, scaling, bias, base_dropped, out, z_out, base_has_bias, n_safe):
-    """(y, the ``fast_launch.Entry`` of the pointer kernel launched through or kept or None, the grid)
-    for ``lora_up_compose_triton``."""
     T, d_out = base.shape
     r = xa.shape[1]
     y = out if out is not None else torch.empty_like(base)
     if T == 0 or d_out == 0:
-        return y, None, None
+        return y
     traced = traced_launch()
     if base_dropped is None and z_out is None and not traced:
         tma_cfg = _tma_config(y, base, xa, lora_B, T, d_out, r)
         if tma_cfg is not None:
             _compose_tma(tma_cfg, y, base, xa, lora_B, g, scaling, bias, base_has_bias, n_safe)
-            return y, None, None
+            return y
     cfg = compose_config(T, d_out, r)
     dot_dtype = _TL_DTYPE[xa.dtype]
     grid = (cdiv(T, cfg.block_m) * cdiv(d_out, cfg.block_n),)
@@ -273,11 +264,8 @@ def _compose(base, xa, lora_B, g, scaling, bias, base_dropped, out, z_out, base_
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
     )
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    if traced or interpreting():
-        launcher(_lora_up_compose_kernel, traced)[grid](*args, **constexprs, **options)
-        return y, None, grid
-    # eager on a GPU: decode launches this once per layer and token (kernels/fast_launch.py)
-    return y, fast_launch.launch(_lora_up_compose_kernel, grid, args, constexprs, options), grid
+    launcher(_lora_up_compose_kernel, traced)[grid](*args, **constexprs, **options)
+    return y
 
 
 _TMA_DTYPES = (torch.bfloat16, torch.float16)
@@ -344,66 +332,7 @@ def _compose_tma(cfg, y, base, xa, lora_B, g, scaling, bias, base_has_bias, n_sa
     )
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     grid = (programs,)
-    if interpreting():
-        _lora_up_compose_tma_kernel[grid](*args, **constexprs, **options)
-    else:  # eager on a GPU: the descriptors are keyed like tensors (kernels/fast_launch.py)
-        fast_launch.launch(_lora_up_compose_tma_kernel, grid, args, constexprs, options)
-
-
-class InferCompose:
-    """One layer's inference compose, launched again and again with its B, m, b, max(n, eps) and s
-    unchanged (an armed layer in eager decode: every layer of every token):
-        base (T rows of d_out, in place) <- b + g⊙(base - b + s·xa·Bᵀ),  g = m / max(n, eps) in the kernel.
-    The first call of each T launches through ``lora_up_compose_triton`` and keeps the
-    ``fast_launch.Entry`` Triton chose for it; later calls of that T launch that entry directly
-    with the same argument list, in which only the base and xa pointers differ, after the checks
-    that make it the kernel Triton would choose for them: both pointers 16-byte aligned, on the
-    entry's device, Triton's hooks and settings as they were; launched on that device (made the
-    current one for the launch when it is not: ``ops.launch_device`` says why). So the
-    output is bitwise the general launch's (the same compiled kernel, the same arguments).
-
-    The caller guarantees, at every call: ``base`` contiguous with T·d_out elements and ``xa``
-    (T, r) contiguous (as ``x2 @ A.t()`` returns it), both of B's dtype family as at the first call, and B, m, b, n_safe the
-    very tensors (address, shape, strides, dtype) of the first call (``integrations.peft_armed``
-    checks that). No tensor is kept here: the plan holds none of the layer's memory."""
-
-    __slots__ = ("d_out", "r", "scaling", "_by_T")
-
-    _MAX_T = 8  # distinct token counts kept (decode: the prompt's, then 1); cleared beyond
-
-    def __init__(self, d_out: int, r: int, scaling: float):
-        self.d_out, self.r, self.scaling = d_out, r, float(scaling)
-        self._by_T: dict[int, tuple] = {}
-
-    def __call__(self, base: torch.Tensor, xa: torch.Tensor, T: int, lora_B: torch.Tensor, magnitude: torch.Tensor,
-                 bias: torch.Tensor | None, n_safe: torch.Tensor) -> None:
-        d, r = self.d_out, self.r
-        device = base.get_device()
-        hit = self._by_T.get(T)
-        if hit is not None:
-            entry, grid = hit
-            if (not ((base.data_ptr() | xa.data_ptr()) & 15) and device == entry.device
-                    and fast_launch.direct_allowed(_lora_up_compose_kernel, entry)):
-                args = (base, d, 1, base, d, 1, base, d, 1, base, d, 1, xa, r, 1,
-                        lora_B, lora_B.stride(0), lora_B.stride(1), magnitude, magnitude if bias is None else bias, n_safe,
-                        T, d, r, self.scaling)
-                if device == _current_device():
-                    fast_launch.run_entry(entry, grid, args)
-                else:  # a layer on another GPU than the current one (accelerate's device_map): ops.launch_device says why
-                    with torch.cuda.device(device):
-                        fast_launch.run_entry(entry, grid, args)
-                return
-        b2, x2 = base.view(T, d), xa.view(T, r)
-        with contextlib.nullcontext() if device < 0 or device == _current_device() else torch.cuda.device(device):
-            _, entry, grid = _compose(b2, x2, lora_B, magnitude, self.scaling, bias, None, b2, None, True, n_safe)
-        if entry is not None and b2.stride() == (d, 1) and x2.stride() == (r, 1):  # the argument list above
-            if len(self._by_T) >= self._MAX_T:
-                self._by_T.clear()
-            self._by_T[T] = (entry, grid)
-
-
-def _current_device() -> int:
-    return torch._C._cuda_getDevice()
+    _lora_up_compose_tma_kernel[grid](*args, **constexprs, **options)
 
 
 def grad_scale_dm_triton(
@@ -437,10 +366,7 @@ def grad_scale_dm_triton(
         MAX_OUT=torch.finfo(dy.dtype).max,
         BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d,
     )
-    if traced or interpreting():
-        launcher(_grad_scale_dm_kernel, traced)[grid](*args, **constexprs, num_warps=cfg.num_warps)
-    else:  # eager on a GPU: once per layer and training step (kernels/fast_launch.py)
-        fast_launch.launch(_grad_scale_dm_kernel, grid, args, constexprs, {"num_warps": cfg.num_warps})
+    launcher(_grad_scale_dm_kernel, traced)[grid](*args, **constexprs, num_warps=cfg.num_warps)
     if not reduce:
         return dz, part
     return dz, part.sum(0) if n_tb > 1 else part[0]

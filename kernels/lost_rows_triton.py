@@ -10,7 +10,7 @@ token, so z_i is gone and the dz/dm pass can only mark dm_i as lost (NaN). This 
 
 and writes dm in the output's dtype, rounded once. One launch per backward does what were three
 host operations (the sum of the partials, the lost-row kernel, the cast to m's dtype), on a
-host-bound training step (benchmarks/step_gaps.py: the GPU waited for the host before each).
+host-bound training step (the GPU waited for the host before each).
 
 One program per block of BLOCK_D features: the partials are read coalesced; a block with no
 lost feature (the common case: no magnitude exactly 0) runs no recomputation at all. A lost
@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fast_launch
 from .constants import eps
 from .triton_common import cdiv, interpreting, launcher, round_to, traced_launch
 
@@ -123,8 +122,5 @@ def dm_finish_triton(
     )
     constexprs = dict(INTERPRET=interpreting(), BLOCK_D=BLOCK_D, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K)
     grid = (cdiv(d_out, BLOCK_D),)
-    if traced or interpreting():
-        launcher(_dm_finish_kernel, traced)[grid](*args, **constexprs)
-    else:  # eager on a GPU: once per layer and training step (kernels/fast_launch.py)
-        fast_launch.launch(_dm_finish_kernel, grid, args, constexprs, {})
+    launcher(_dm_finish_kernel, traced)[grid](*args, **constexprs)
     return out

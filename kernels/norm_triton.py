@@ -22,8 +22,7 @@ Kernels:
   (r = 384 as 3 × 128 columns, where one 256-wide tile pair would pad it to 512).
 - ``_gram_kernel``: split-K partials of G = A·Aᵀ, (SPLIT, r, r) fp32, summed in a fixed order.
 - ``_norm_finish_kernel`` / ``_norm_from_u_kernel``: the fixed-order sums and the terms combined
-  into n; given the magnitude m, also n_safe = max(n, eps) and g = m / n_safe (a training
-  forward's), both through ``_store_terms``.
+  into n, both through ``_store_terms``.
 No atomics anywhere, and cuBLAS is bitwise reproducible with a fixed workspace configuration:
 the norm is bitwise deterministic.
 
@@ -36,13 +35,12 @@ all 24 bits; that GEMM has K = r, so a third pass is cheap). With fp16 B the lor
 fp32 (tf32x3): fp16 pieces of G would overflow or fall into subnormals. When X is
 fp32 the dots use ``tf32x3`` (about fp32 accuracy). ``fan_in_fan_out`` is read through strides.
 
-Measured on the H200 (bf16, r = 384; benchmarks/rowdot_tile_probe.py and norm_path_probe.py,
-2026-12-02): the row-dot kernel is right on triton 3.6 only with 64-wide tiles when it also sums
+Measured on the H200 (bf16, r = 384, triton 3.6): the row-dot kernel is right on triton 3.6 only with 64-wide tiles when it also sums
 W² (wider tiles got the cross term wrong and unrepeatable; without the base term they are right),
 and the fused base term slows it (195.8 against 137.9 µs at 14336×4096), while cuBLAS's W·Aᵀ
 takes 75.5 µs: hence the first path (the whole training norm at 8192²: 244.1 → 158.6 µs). An
-epilogue that formed B·G inside the W·Aᵀ kernel cost 110-140 µs more (register pressure,
-benchmarks/norm_variants.py), hence the separate (B, G, B) launch.
+epilogue that formed B·G inside the W·Aᵀ kernel cost 110-140 µs more (register pressure),
+hence the separate (B, G, B) launch.
 """
 
 from __future__ import annotations
@@ -52,10 +50,9 @@ import triton
 import triton.language as tl
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
-from .constants import eps
 from .norm_torch import FactoredNorm
 from .settings import cublas_cross_pieces, gram_config, norm_reduce_config, rowdot_config
-from .triton_common import cdiv, dot_acc, interpreting, launcher, tracing, unused_pointer
+from .triton_common import cdiv, dot_acc, interpreting, launcher
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -182,11 +179,9 @@ def _rowdot_kernel(
 
 
 @triton.jit
-def _store_terms(terms_ptr, stride_tr, mag_ptr, rows, ok, base, cross, lora, s, eps, WITH_G: tl.constexpr):
+def _store_terms(terms_ptr, stride_tr, rows, ok, base, cross, lora, s):
     """terms[0..3, rows] = base, cross, lora, norm = sqrt(max(base + 2s·cross + s²·lora, 0))
-    (NaN propagates), fp32; WITH_G: terms[4, rows] = n_safe = max(norm, eps) (NaN stays NaN, as
-    torch.clamp_min) and terms[5, rows] = g = m / n_safe correctly rounded (as torch divides an
-    fp32 or 16-bit m by fp32)."""
+    (NaN propagates), fp32."""
     squared = base + (2.0 * s) * cross + (s * s) * lora
     squared = tl.where(squared < 0.0, 0.0, squared)  # rounding below 0 where W cancels s·B·A; NaN stays
     norm = tl.sqrt_rn(squared)
@@ -194,26 +189,19 @@ def _store_terms(terms_ptr, stride_tr, mag_ptr, rows, ok, base, cross, lora, s, 
     tl.store(terms_ptr + stride_tr + rows, cross, mask=ok)
     tl.store(terms_ptr + 2 * stride_tr + rows, lora, mask=ok)
     tl.store(terms_ptr + 3 * stride_tr + rows, norm, mask=ok)
-    if WITH_G:
-        floor = tl.cast(eps, tl.float32)
-        n_safe = tl.where(norm < floor, floor, norm)  # NaN < eps is false: NaN stays
-        m = tl.load(mag_ptr + rows, mask=ok, other=0.0).to(tl.float32)
-        tl.store(terms_ptr + 4 * stride_tr + rows, n_safe, mask=ok)
-        tl.store(terms_ptr + 5 * stride_tr + rows, tl.math.div_rn(m, n_safe), mask=ok)
 
 
 @triton.jit
 def _norm_finish_kernel(
-    terms_ptr, stride_tr,  # out: (4, M) fp32 rows base, cross, lora, norm; (6, M) with n_safe, g
+    terms_ptr, stride_tr,  # out: (4, M) fp32 rows base, cross, lora, norm
     cross_part_ptr, stride_cp, n_cross,  # (n_cross, M) fp32 partials of the cross term
     sq_ptr, stride_sp, n_sq,  # (n_sq, M) fp32 partials of the base term
     lora_part_ptr, stride_lp, n_lora,  # (n_lora, M) fp32 partials of the lora term
-    mag_ptr,  # (M,) magnitude m, stride 1 as g, bias and n_safe in the compose (read only WITH_G; the caller checks)
-    M, scaling, eps,
-    WITH_G: tl.constexpr, BLOCK: tl.constexpr,
+    M, scaling,
+    BLOCK: tl.constexpr,
 ):
     """base = Σ_p sq[p], cross = Σ_p cross_part[p], lora = Σ_p lora_part[p] (p in order:
-    deterministic), then norm (and with WITH_G n_safe and g) as ``_store_terms`` says, stored as
+    deterministic), then norm as ``_store_terms`` says, stored as
     the rows of ``terms`` (one output tensor: no two pointer arguments alias one)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < M
@@ -227,19 +215,18 @@ def _norm_finish_kernel(
     base = tl.zeros((BLOCK,), dtype=tl.float32)
     for p in range(0, n_sq):
         base += tl.load(sq_ptr + p * stride_sp + rows, mask=ok, other=0.0)
-    _store_terms(terms_ptr, stride_tr, mag_ptr, rows, ok, base, cross, lora, s, eps, WITH_G)
+    _store_terms(terms_ptr, stride_tr, rows, ok, base, cross, lora, s)
 
 
 @triton.jit
 def _norm_from_u_kernel(
-    terms_ptr, stride_tr,  # out: (4, M) fp32 rows base, cross, lora, norm; (6, M) with n_safe, g
+    terms_ptr, stride_tr,  # out: (4, M) fp32 rows base, cross, lora, norm
     w_ptr, stride_wm, stride_wk,  # W rows (M, K), read through strides (fan_in_fan_out too)
     u_ptr, stride_um, stride_un,  # U = W·Aᵀ (M, N) fp32; (M, 2N) with PIECES = 2: W·A_hiᵀ, then W·A_loᵀ
     b_ptr, stride_bm, stride_bn,  # B (M, N)
     lora_part_ptr, stride_lp, n_lora,  # (n_lora, M) fp32 partials of the lora term
-    mag_ptr,  # (M,) magnitude m, stride 1 (read only WITH_G)
-    M, N, K, scaling, eps,
-    WITH_G: tl.constexpr, PIECES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    M, N, K, scaling,
+    PIECES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """base = Σ_k W_ik², cross = Σ_j B_ij·U_ij (PIECES = 2: Σ_j B_ij·(U_ij + U_i,N+j), the two
     pieces of A summed in fp32), lora = Σ_p lora_part[p] (fp32; each sum in a fixed
@@ -271,7 +258,7 @@ def _norm_from_u_kernel(
     lora = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for p in range(0, n_lora):
         lora += tl.load(lora_part_ptr + p * stride_lp + rows, mask=ok, other=0.0)
-    _store_terms(terms_ptr, stride_tr, mag_ptr, rows, ok, base, cross, lora, tl.cast(scaling, tl.float32), eps, WITH_G)
+    _store_terms(terms_ptr, stride_tr, rows, ok, base, cross, lora, tl.cast(scaling, tl.float32))
 
 
 @triton.jit
@@ -311,18 +298,9 @@ def gram_triton(lora_A: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     (tensor cores, fp32 accumulation), tf32x3 for fp32 A. ``out``: an fp32 (r, r) tensor to
     write G into (the same bits as a new one).
 
-    Triton for every dtype, so a norm's CUDA graph (``norm_graphs``) holds the Gram product with
-    the rest of the norm. cuBLAS's fp32-output GEMM (``aten::mm.dtype``) is faster on the GPU
-    (H200, r = 384, d_in = 8192: 9.5 µs against 17.0 µs, benchmarks/results/kernels_h200.csv) but
-    was launched eagerly before each replay (a cuBLAS GEMM captured on a side stream gets a 32 MiB
-    workspace of its own on Hopper), and that launch cost more host time than the replay itself:
-    1.1% of py-spy's samples of the model step at that line, against 0.6% for the replay (H200
-    host, 2026-12-02, benchmarks/results/host_sample_tenth_base_h200.txt). The training step is
-    host-bound; 8 µs of GPU work per layer and step is not. Captured in the norm graph (the
-    workspace set up beforehand) cuBLAS saved 4-7 µs of a whole norm but made n less accurate:
-    relative error against fp64 4.6e-6 instead of 8.8e-7 at d_in = 4096, growing as d_in falls
-    (2.2e-6 at 8192), so not adopted (benchmarks/results/norm_path_fifteenth_gram_cublas_h200.csv
-    against norm_path_fifteenth_bf16_h200.csv, H200, 2026-12-02)."""
+    Triton for every dtype, not cuBLAS's fp32-output GEMM: cuBLAS was 4-7 µs faster on a whole
+    norm but made n less accurate (relative error against fp64 4.6e-6 instead of 8.8e-7 at
+    d_in = 4096, H200, bf16, r = 384)."""
     r, d_in = lora_A.shape
     dot_dtype, split_lo, precision = _dot_setup(lora_A.dtype, lora_A.dtype)
     cfg = gram_config(r, d_in)
@@ -375,8 +353,8 @@ def rowdot_parts(
         grid = (cdiv(M, cfg.block_m), n_tiles, splits)
         # Without the base term the kernel never writes sq_ptr, but it still gets a buffer of its
         # own: passing ``part`` twice (two pointer arguments aliasing one tensor) made Inductor
-        # return a lora term of zeros under torch.compile (benchmarks/compile_diag.py, H200,
-        # torch 2.11: factored_norm's lora output rel_l2 1.0 against eager).
+        # return a lora term of zeros under torch.compile (H200, torch 2.11: factored_norm's
+        # lora output rel_l2 1.0 against eager).
         sq_arg = sq if sq is not None else torch.empty(1, 1, dtype=torch.float32, device=X.device)
         launcher(_rowdot_kernel)[grid](
             part, part.stride(0), sq_arg, sq_arg.stride(0),
@@ -391,15 +369,12 @@ def rowdot_parts(
     return part, sq
 
 
-def norm_finish(cross_part: torch.Tensor, sq: torch.Tensor, lora_part: torch.Tensor, scaling: float,
-                magnitude: torch.Tensor | None = None) -> torch.Tensor:
+def norm_finish(cross_part: torch.Tensor, sq: torch.Tensor, lora_part: torch.Tensor, scaling: float) -> torch.Tensor:
     """The terms as the rows of one fp32 (4, M) tensor, (base, cross, lora, norm), from the
     row-dot partials (``sq``: (splits, M)): one launch for the ordered sums and ``combine_terms``
-    (which took six ops on the host). One tensor, so a graph replay copies it out in one op.
-    With ``magnitude`` (M,) of stride 1: (6, M), rows 4 and 5 n_safe = max(norm, eps) and
-    g = m / n_safe (the two host ops a training forward ran after the norm)."""
+    (which took six ops on the host)."""
     M = sq.shape[1]
-    terms = torch.empty(4 if magnitude is None else 6, M, dtype=torch.float32, device=sq.device)
+    terms = torch.empty(4, M, dtype=torch.float32, device=sq.device)
     if M:
         block = 1024 if not interpreting() else 32
         launcher(_norm_finish_kernel)[(cdiv(M, block),)](
@@ -407,9 +382,8 @@ def norm_finish(cross_part: torch.Tensor, sq: torch.Tensor, lora_part: torch.Ten
             cross_part, cross_part.stride(0), cross_part.shape[0],
             sq, sq.stride(0), sq.shape[0],
             lora_part, lora_part.stride(0), lora_part.shape[0],
-            magnitude if magnitude is not None else unused_pointer(sq, tracing()),
-            M, float(scaling), eps(),
-            WITH_G=magnitude is not None, BLOCK=block, num_warps=4,
+            M, float(scaling),
+            BLOCK=block, num_warps=4,
         )
     return terms
 
@@ -434,7 +408,7 @@ def cross_product_u(weight_rows: torch.Tensor, lora_A: torch.Tensor, pieces: int
         split = torch.empty(2 * r, lora_A.shape[1], dtype=weight_rows.dtype, device=lora_A.device)
         # Without forward-mode AD: a dual A (under fwAD.dual_level) would make the split dual, and
         # torch.sub has no forward AD with out= (it raised). The norm carries no tangent either
-        # way, as its Triton launches do not (norm_graphs turns forward AD off the same way).
+        # way, as its Triton launches do not.
         with _set_fwd_grad_enabled(False):
             split[:r] = lora_A
             # A − A_hi computed in A's dtype (or fp32, by promotion: exact) and rounded once as
@@ -447,14 +421,13 @@ def cross_product_u(weight_rows: torch.Tensor, lora_A: torch.Tensor, pieces: int
 
 
 def norm_from_u(weight_rows: torch.Tensor, U: torch.Tensor, lora_B: torch.Tensor, lora_part: torch.Tensor, scaling: float,
-                magnitude: torch.Tensor | None = None, pieces: int = 1) -> torch.Tensor:
-    """(4, d_out) fp32 rows (base, cross, lora, norm), or (6, d_out) with n_safe and g given
-    ``magnitude``, from W's rows (Σ W² is read here), U = W·Aᵀ (cross = Σ B⊙U; ``pieces`` = 2:
+                pieces: int = 1) -> torch.Tensor:
+    """(4, d_out) fp32 rows (base, cross, lora, norm) from W's rows (Σ W² is read here), U = W·Aᵀ (cross = Σ B⊙U; ``pieces`` = 2:
     U of 2r columns from ``cross_product_u``) and the lora term's row-dot partials: one launch
     (``_norm_from_u_kernel``)."""
     M, K = weight_rows.shape
     N = U.shape[1] // pieces
-    terms = torch.empty(4 if magnitude is None else 6, M, dtype=torch.float32, device=U.device)
+    terms = torch.empty(4, M, dtype=torch.float32, device=U.device)
     if M:
         cfg = norm_reduce_config(M, K, N, weight_rows.stride(1) == 1 or K == 1)
         launcher(_norm_from_u_kernel)[(cdiv(M, cfg.block_m),)](
@@ -463,9 +436,8 @@ def norm_from_u(weight_rows: torch.Tensor, U: torch.Tensor, lora_B: torch.Tensor
             U, U.stride(0), U.stride(1),
             lora_B, lora_B.stride(0), lora_B.stride(1),
             lora_part, lora_part.stride(0), lora_part.shape[0],
-            magnitude if magnitude is not None else unused_pointer(lora_part, tracing()),
-            M, N, K, float(scaling), eps(),
-            WITH_G=magnitude is not None, PIECES=pieces, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n,
+            M, N, K, float(scaling),
+            PIECES=pieces, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps,
         )
     return terms
@@ -473,10 +445,9 @@ def norm_from_u(weight_rows: torch.Tensor, U: torch.Tensor, lora_B: torch.Tensor
 
 def terms_from_gram(
     weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, G: torch.Tensor, scaling: float, fan_in_fan_out: bool,
-    magnitude: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(4, d_out) fp32 rows (base, cross, lora, norm) given G = A·Aᵀ: the launches of the norm
-    after the Gram product; with ``magnitude``, (6, d_out) with n_safe and g too.
+    after the Gram product.
 
     16-bit W (``settings.cublas_cross_pieces``): U = W·Aᵀ from cuBLAS (A split into two pieces
     of W's dtype when it has another dtype), then one launch for Σ W², Σ B⊙U and the finish
@@ -492,18 +463,15 @@ def terms_from_gram(
     pieces = cublas_cross_pieces(weight.dtype, lora_A.dtype)
     if pieces:
         U = cross_product_u(W_rows, lora_A, pieces)
-        return norm_from_u(W_rows, U, lora_B, lora_part, scaling, magnitude, pieces)
+        return norm_from_u(W_rows, U, lora_B, lora_part, scaling, pieces)
     cross_part, sq = rowdot_parts(weight, W_rows.stride(), lora_A, lora_B, compute_base=True)
     assert sq is not None  # compute_base=True always returns the base term
-    return norm_finish(cross_part, sq, lora_part, scaling, magnitude)
+    return norm_finish(cross_part, sq, lora_part, scaling)
 
 
-def norm_terms(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, fan_in_fan_out: bool,
-               magnitude: torch.Tensor | None = None) -> torch.Tensor:
-    """(4, d_out) fp32 rows (base, cross, lora, norm), or (6, d_out) with n_safe and g given
-    ``magnitude``: every launch of the norm, the Gram product included (what ``norm_graphs``
-    captures and replays)."""
-    return terms_from_gram(weight, lora_A, lora_B, gram_triton(lora_A), scaling, fan_in_fan_out, magnitude)
+def norm_terms(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, fan_in_fan_out: bool) -> torch.Tensor:
+    """(4, d_out) fp32 rows (base, cross, lora, norm): every launch of the norm, the Gram product included."""
+    return terms_from_gram(weight, lora_A, lora_B, gram_triton(lora_A), scaling, fan_in_fan_out)
 
 
 def factored_norm_triton(

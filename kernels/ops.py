@@ -10,8 +10,7 @@ partials, one row per token block, take the block from ``settings.grad_config`` 
 In eager mode the functions below call the implementations directly (``call``): going
 through the dispatcher and ``wrap_triton`` costs about 0.2 ms of CPU per call, which would
 dominate decode (T = 1) on an H200. They run with the tensors' device made current where it is
-not (``launch_device``): Triton launches on the current device. The eager norm is replayed from a CUDA graph of its
-launches where ``norm_graphs`` allows it.
+not (``launch_device``): Triton launches on the current device.
 
 Every registered op is functional (no argument is mutated). In eager, ``call`` writes y in
 place into the base output (``lora_up_compose_`` and ``lora_up_compose_save_z_``, saving a
@@ -25,8 +24,6 @@ in eager a pointer the kernel never reads may repeat another (``triton_common.un
 Ops (namespace ``doracheck``):
 - ``factored_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out) -> terms``: the (4, d_out) fp32
   rows (base, cross, lora, norm)
-  (eager also ``scaled_norm``, not a registered op: the same and n_safe, g = m / n_safe as one
-  (6, d_out) tensor; while tracing the backend composes it from ``factored_norm``)
 - ``lora_up_compose(base, xa, lora_B, g, bias?, scaling) -> y``
 - ``lora_up_compose_save_z(base, xa, lora_B, g, bias?, scaling, base_has_bias) -> (y, z)``: also
   z = base + s·lora (with ``base_has_bias`` base is x·Wᵀ + b, as a PEFT base layer returns it)
@@ -51,7 +48,6 @@ from torch.library import triton_op
 from .compose_torch import magnitude_scale
 from .compose_triton import grad_scale_dm_triton, lora_up_compose_triton
 from .lost_rows_triton import dm_finish_triton
-from .norm_graphs import graphed_norm
 from .norm_triton import norm_terms
 from .settings import grad_config
 from .triton_common import tracing
@@ -65,32 +61,6 @@ def _factored_norm(
     """The (4, d_out) fp32 rows (base, cross, lora, norm): one output tensor, as a custom op's
     outputs may not alias one another (four views of one buffer would)."""
     return norm_terms(weight, lora_A, lora_B, scaling, fan_in_fan_out)
-
-
-def _factored_norm_eager(
-    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, fan_in_fan_out: bool
-) -> torch.Tensor:
-    """Eager: replayed from a CUDA graph where ``norm_graphs`` allows it (bitwise the same
-    launches), else launched."""
-    terms = graphed_norm(
-        weight, lora_A, lora_B, scaling, fan_in_fan_out, lambda: norm_terms(weight, lora_A, lora_B, scaling, fan_in_fan_out),
-    )
-    return terms if terms is not None else _factored_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out)
-
-
-def _scaled_norm_eager(
-    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, magnitude: torch.Tensor, scaling: float,
-    fan_in_fan_out: bool,
-) -> torch.Tensor:
-    """Eager only: the (6, d_out) fp32 rows (base, cross, lora, norm, n_safe, g) of the norm and
-    g = m / max(n, eps), from one CUDA graph replay where ``norm_graphs`` allows it (else
-    launched): a training forward's norm and g in one host call instead of three (m of stride 1,
-    fp32 or 16-bit: ``backends`` checks)."""
-    def terms():
-        return norm_terms(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude)
-
-    rows = graphed_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out, terms, magnitude)
-    return rows if rows is not None else terms()
 
 
 def _lora_up_compose_(
@@ -247,13 +217,12 @@ def _register(name: str, body: Callable[..., Any], fake: Callable[..., Any]):
     """``doracheck::name`` as a functional op with fake (meta) implementation ``fake``.
 
     Opaque by default (``torch.library.custom_op``): a compiled graph calls the op, and the op
-    launches its kernels as eager code does (``fast_launch``, the TMA compose where it applies).
+    launches its kernels as eager code does (the TMA compose where it applies).
     With ``DORACHECK_TRACE_KERNELS=1`` in the environment at import, ``torch.library.triton_op``
     instead: Inductor traces into the body and launches the kernels from its own generated code.
     Why opaque: Inductor runs Triton's front end on every traced launch of a ``triton_op`` to
     learn which arguments the kernel writes (``identify_mutated_tensors``, uncached: 690 TTIR
-    generations in the first compiled step of ``bench_model``'s 4-layer model, torch 2.11,
-    ``benchmarks/results/compile_time_eighteenth_h200.txt``), which made doracheck's compile
+    generations in the first compiled step of the 4-layer benchmark model, torch 2.11), which made doracheck's compile
     twice PEFT DoRA's; these ops declare that they mutate nothing, so there is nothing to learn.
     Why a ``fake`` that only allocates: the body picks its tiles from the shapes (T <= 16 for
     decode, the number of token blocks), and on symbolic shapes (``torch.compile(dynamic=True)``,
@@ -283,8 +252,7 @@ grad_scale_dm_op = _register("grad_scale_dm", _grad_scale_dm_flat_parts, _grad_s
 dm_finish_op = _register("dm_finish", _dm_finish_flat_parts, _dm_finish_fake)
 
 _EAGER: dict[str, Callable[..., Any]] = {
-    "factored_norm": _factored_norm_eager,
-    "scaled_norm": _scaled_norm_eager,  # eager only: backends routes traced calls to the composite
+    "factored_norm": _factored_norm,
     "lora_up_compose_": _lora_up_compose_,
     "lora_up_compose_save_z_": _lora_up_compose_save_z_,
     "lora_up_compose_dropout": _lora_up_compose_dropout,

@@ -19,10 +19,10 @@ def tracing() -> bool:
     """True while torch.compile / export traces (fake, proxy or functional tensors): kernels
     must go through ``wrap_triton`` then, and nothing traced may be kept in Python caches. In
     eager Triton kernels are launched directly: ``wrap_triton`` costs about 190 µs of CPU per
-    launch in eager (H200 host, torch 2.11; benchmarks/kernel_timing.py).
+    launch in eager (H200 host, torch 2.11).
 
     The mode check reads the dispatch-mode slots directly: ``detect_fake_mode`` cost 16 µs a
-    call on the H200 host (benchmarks/cpu_overhead.py), four calls a step."""
+    call on the H200 host, four calls a step."""
     if torch.compiler.is_compiling():
         return True
     if _MODE_KEYS is not None and _get_dispatch_mode is not None:

@@ -42,7 +42,7 @@ def launcher(kernel, traced: bool | None = None):
 
 def traced_launch() -> bool:
     """Whether a launcher must take its traced form (``launcher(kernel, True)``): while tracing,
-    where the eager launch paths (``fast_launch``, the TMA compose) must not run either."""
+    where the eager-only TMA compose must not run either."""
     return tracing()
 
 

@@ -6,8 +6,8 @@ from the exact family to the default row (family "*"). **A budget is a bound, no
 the dtype and the number of roundings on the way to the output (written next to it), or a
 baseline ratio against the same-precision eager reference on the same machine, whose floor is
 the case's own representation noise. No row is derived from this implementation's observed
-error (such a row passes whatever the implementation does, bugs included: a 1% error in dx
-passed the "2x observed" bf16 rows this file used to hold). ``doracheck calibrate`` reports
+error (such a row passes whatever the implementation does, bugs included: bf16 rows set to
+twice the observed error pass a 1% error in dx). ``doracheck calibrate`` reports
 how tight each bound is on a machine; it never proposes a row.
 
 The two checks are complementary. The oracle distance (``forward``/``backward`` rows) bounds

@@ -33,7 +33,7 @@ def doracheck_implementation(path: str | None = None) -> Implementation:
     from doracheck.dispatch import choose_path, forced_path
     from doracheck.kernels import norm_memory_bound
     from doracheck.kernels.settings import triton_norm_memory_bound
-    from doracheck.norm_cache import clear_norm_cache
+    from doracheck.norm_rule import clear_norm_cache
 
     def bound(d_out, d_in, r, device="cpu", lora_B_dtype=None):
         on_triton = choose_path(torch.device(device)).name == "triton" and path != "torch"

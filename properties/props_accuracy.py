@@ -141,9 +141,10 @@ def _zero_row_nan(p: Problem, y: torch.Tensor) -> bool:
 
 
 # The baseline ratio compares two relative L2 errors; over fewer elements than this they are a
-# handful of rounding errors each, and the naive one can be near 0 by luck (review, 2026-12-01:
-# 1x1 and 1x14 problems failed a correct implementation 2 times in 600 hypothesis examples, up to
-# 40x over; a 4x9 dA of the dynamic_range kind, whose norm sits in a few entries, 1.02x over).
+# handful of rounding errors each, and the naive one can be near 0 by luck (measured: without
+# this floor, 1x1 and 1x14 problems failed a correct implementation 2 times in 600 hypothesis
+# examples, up to 40x over; a 4x9 dA of the dynamic_range kind, whose norm sits in a few
+# entries, 1.02x over).
 # Counted as the effective number of elements that carry the output's norm, (Σc²)²/Σc⁴; such
 # outputs are judged by the oracle distance alone.
 RATIO_MIN_ELEMENTS = 16

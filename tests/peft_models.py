@@ -63,7 +63,7 @@ def enabled_dora_model(seed: int = 0, **kwargs):
     """``dora_model`` routed through doracheck (``enable``, norm buffers on) in eval mode, with
     the process's norm cache emptied first, as the inference-norm and armed-plan tests start."""
     from doracheck.integrations.peft import enable
-    from doracheck.norm_cache import clear_norm_cache
+    from doracheck.norm_rule import clear_norm_cache
 
     clear_norm_cache()
     model = dora_model(seed, **kwargs)
@@ -92,7 +92,7 @@ def enabled_biased_mlp():
     import peft
 
     from doracheck.integrations.peft import enable
-    from doracheck.norm_cache import clear_norm_cache
+    from doracheck.norm_rule import clear_norm_cache
 
     clear_norm_cache()
     torch.manual_seed(3)

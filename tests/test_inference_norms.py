@@ -1,8 +1,8 @@
 """Norms as module state for inference (doracheck/inference_norms.py), through the PEFT integration.
 
 A forward without grad mode through the model ``enable`` hooked reads each layer's max(n, eps)
-from a module buffer that the pre-hook refreshed: bitwise what the layer computes itself,
-refreshed whenever the rule of ``norm_cache`` says the norm changed, never in ``state_dict``,
+from the layer's state that the pre-hook refreshed: bitwise what the layer computes itself,
+refreshed whenever ``norm_rule`` says the norm changed, never in ``state_dict``,
 and under torch.compile a graph with no norm in it that still follows updates of the adapters.
 """
 
@@ -18,7 +18,7 @@ from peft_models import dora_model, enabled_dora_model, tokens  # noqa: E402
 from doracheck import forward as forward_pass  # noqa: E402
 from doracheck import inference_norms  # noqa: E402
 from doracheck.integrations.peft import disable, enable  # noqa: E402
-from doracheck.norm_cache import clear_norm_cache  # noqa: E402
+from doracheck.norm_rule import clear_norm_cache  # noqa: E402
 
 
 @pytest.fixture
@@ -47,8 +47,21 @@ def norm_calls(monkeypatch):
     return calls
 
 
+def _states(m) -> list:
+    return [module.__dict__[inference_norms.STATE] for module in m.modules() if inference_norms.STATE in module.__dict__]
+
+
 def _any_armed(m) -> bool:
-    return any(getattr(module, "_doracheck_norms_armed", False) for module in m.modules())
+    return any(state.armed for state in _states(m))
+
+
+def _has_norms(m) -> bool:
+    """Whether any layer of ``m`` holds a refreshed max(n, eps)."""
+    return any(state.norms for state in _states(m))
+
+
+def _holder(m):
+    return m.__dict__[inference_norms.STATE].holder
 
 
 def _logits(m, ids):
@@ -147,9 +160,9 @@ def test_disarmed_after_a_forward_that_raises_and_nothing_in_the_state_dict(mode
 
 def test_disable_removes_the_hooks_and_the_buffers(model):
     _logits(model, tokens(0))
-    assert any("_doracheck_norm" in name for name, _ in model.named_buffers())
+    assert _has_norms(model)
     disable(model)
-    assert not any("_doracheck_norm" in name for name, _ in model.named_buffers())
+    assert not _has_norms(model)
     assert not model._forward_pre_hooks and not model.get_base_model()._forward_pre_hooks
 
 
@@ -324,7 +337,7 @@ def test_whole_model_fullgraph_compile_trains_and_infers():
 def test_sharded_tensors_leave_their_layer_unarmed(model):
     """A slot whose W is not the layer's matrix (FSDP1 or ZeRO-3 shards outside their unit's
     forward) is not refreshed and its layer not armed, rather than failing."""
-    slot = model.__dict__["_doracheck_norm_holder"].slots[0]
+    slot = _holder(model).slots[0]
     base = slot.module.get_base_layer()
     weight = base.weight
     try:
@@ -338,7 +351,7 @@ def test_disable_through_a_compile_wrapper(model):
     compiled = torch.compile(model, backend="aot_eager")
     disable(compiled)
     assert not model._forward_pre_hooks and not model.get_base_model()._forward_pre_hooks
-    assert not any("_doracheck_norm" in name for name, _ in model.named_buffers())
+    assert not _has_norms(model)
 
 
 def test_an_interrupted_forward_then_a_compiled_base_model_call(model, monkeypatch):
@@ -367,7 +380,7 @@ def test_enable_without_norm_buffers(monkeypatch):
     m.eval()
     ids = tokens(10)
     assert torch.equal(_logits(m, ids), _unarmed(monkeypatch, m, ids))
-    assert not m._forward_pre_hooks and not any("_doracheck_norm" in name for name, _ in m.named_buffers())
+    assert not m._forward_pre_hooks and not _has_norms(m)
 
 
 @pytest.mark.parametrize("grad_off", ["no_grad", "inference_mode"])
@@ -476,7 +489,7 @@ def test_generate_prepares_once_and_is_bitwise_the_unarmed_model(model, monkeypa
     got = _generate(model, ids)
     handle.remove()
     assert prepared == [model] and armed_steps == [True] * 5
-    assert not _any_armed(model) and not model.__dict__[inference_norms._HOLDER].generating
+    assert not _any_armed(model) and not _holder(model).generating
     want = _unarmed_generate(monkeypatch, model, ids)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
@@ -610,7 +623,7 @@ def test_another_threads_forward_during_generate_prepares_for_itself(model, monk
         release.set()
         worker.join(timeout=60)
     assert torch.equal(got, want)
-    assert not model.__dict__[inference_norms._HOLDER].generating and not _any_armed(model)
+    assert not _holder(model).generating and not _any_armed(model)
 
 
 def test_disable_restores_generate_and_a_users_own_generate_is_kept():

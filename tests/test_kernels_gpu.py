@@ -6,14 +6,12 @@ family; plus determinism, edge inputs, the norm cache and torch.compile.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 import doracheck
 from doracheck.kernels.settings import HAS_MM_DTYPE
-from doracheck.norm_cache import clear_norm_cache, norm_cache_stats
+from doracheck.norm_rule import clear_norm_cache, norm_cache_stats
 from doracheck.properties import budget_for, device_family
 from doracheck.properties.props import a_priori_bound, conditioning
 from doracheck.reference import dora_forward_ref, gamma, norm_terms_ref, output_conditions, rel_l2
@@ -97,7 +95,7 @@ def test_tma_compose_is_the_pointer_kernel_bitwise(T, d_out, dtype, bias, base_h
         return compose_triton.lora_up_compose_triton(b2, xa, B, g, 0.3, b, out=b2 if in_place else None,
                                                      base_has_bias=base_has_bias, n_safe=n_safe if g_from_m else None)
 
-    got = [run() for _ in range(3)]  # the first through Triton's run, the others through fast_launch
+    got = [run() for _ in range(3)]
     assert launched == [1, 1, 1]
     monkeypatch.setattr(compose_triton, "_tma_config", lambda *a: None)
     want = run()
@@ -439,85 +437,3 @@ def test_inference_is_capturable_in_a_cuda_graph_and_replays_the_parameters_of_t
     clear_norm_cache()
     with torch.no_grad():
         assert torch.equal(static_y, doracheck.dora_linear(static_x, W, A, B, m, s, b))
-
-
-@contextlib.contextmanager
-def _counting_triton_runs(kernel):
-    """Count the launches that go through Triton's own ``JITFunction.run`` (the binder) for
-    ``kernel``; fast_launch's kept kernels are forgotten before and after, so the first call
-    inside takes Triton's path."""
-    from doracheck.kernels import fast_launch
-
-    runs: list = []
-    real_run = kernel.run
-
-    def counted(*a, **kw):
-        runs.append(1)
-        return real_run(*a, **kw)
-
-    fast_launch.clear()
-    kernel.run = counted
-    try:
-        yield runs
-    finally:
-        del kernel.run
-        fast_launch.clear()
-
-
-@pytest.mark.parametrize("t", [1, 37])
-def test_fast_launch_reuses_tritons_kernel_and_is_bitwise_its_launch(t):
-    """Eager compose launches after the first skip Triton's binder (kernels/fast_launch.py): the
-    same compiled kernel with the same arguments, so bitwise Triton's own launch; a misaligned
-    view (Triton specialises on alignment) still goes through Triton."""
-    from doracheck.kernels import compose_triton
-
-    gen = torch.Generator().manual_seed(t)
-    d_out, r = 1031, 96
-    xa = torch.randn(t, r, generator=gen).to("cuda", torch.bfloat16)
-    B = (torch.randn(d_out, r, generator=gen) / 10).to("cuda", torch.bfloat16)
-    g = (1 + torch.randn(d_out, generator=gen) / 10).to("cuda")
-    base = torch.randn(t, d_out, generator=gen).to("cuda", torch.bfloat16)
-    kernel = compose_triton._lora_up_compose_kernel
-    with _counting_triton_runs(kernel) as runs:
-        outs = [compose_triton.lora_up_compose_triton(base, xa, B, g, 2.0) for _ in range(3)]
-        assert len(runs) == 1  # the first launch only
-        spare = torch.empty(t * d_out + 1, device="cuda", dtype=torch.bfloat16)
-        odd = spare[1:].view(t, d_out)  # 2 bytes past an aligned address
-        odd.copy_(base)
-        out_odd = compose_triton.lora_up_compose_triton(odd, xa, B, g, 2.0)
-        assert len(runs) == 2
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]) and torch.equal(outs[0], out_odd)
-
-
-def test_dm_finish_fast_launch_is_bitwise_tritons_launch_and_skips_its_binder():
-    """The dm pass (once per layer and training step) launches through fast_launch like the
-    compose and dz/dm kernels: after the first call Triton's binder is skipped, and the result
-    is bitwise Triton's own launch (the partials summed, features with m = 0 recomputed)."""
-    import triton
-
-    from doracheck.kernels import lost_rows_triton
-
-    gen = torch.Generator().manual_seed(3)
-    T, d_in, d_out, r, P = 37, 96, 300, 16, 5
-    dy = torch.randn(T, d_out, generator=gen).to("cuda", torch.bfloat16)
-    x = torch.randn(T, d_in, generator=gen).to("cuda", torch.bfloat16)
-    W = (torch.randn(d_out, d_in, generator=gen) / 10).to("cuda", torch.bfloat16)
-    xa = torch.randn(T, r, generator=gen).to("cuda", torch.bfloat16)
-    B = (torch.randn(d_out, r, generator=gen) / 10).to("cuda", torch.bfloat16)
-    g = (1 + torch.randn(d_out, generator=gen) / 10).to("cuda")
-    g[::7] = 0.0  # lost features: m = 0 with n >= eps
-    n = (1 + torch.rand(d_out, generator=gen)).to("cuda")
-    parts = torch.randn(P, d_out, generator=gen).to("cuda")
-    parts[:, ::7] = float("nan")
-    kernel = lost_rows_triton._dm_finish_kernel
-    reference = torch.empty(d_out, device="cuda", dtype=torch.bfloat16)
-    grid = (triton.cdiv(d_out, lost_rows_triton.BLOCK_D),)
-    kernel[grid](reference, parts, parts.stride(0), dy, *dy.stride(), x, *x.stride(), W, *W.stride(), xa, *xa.stride(),
-                 B, *B.stride(), g, n, P, T, d_in, r, d_out, 2.0, 1e-12, INTERPRET=False,
-                 BLOCK_D=lost_rows_triton.BLOCK_D, BLOCK_T=lost_rows_triton.BLOCK_T, BLOCK_K=lost_rows_triton.BLOCK_K)
-    with _counting_triton_runs(kernel) as runs:
-        outs = [lost_rows_triton.dm_finish_triton(parts, dy, x, W, xa, B, g, n, 2.0, torch.bfloat16) for _ in range(3)]
-        assert len(runs) == 1  # the first launch only
-    assert torch.isfinite(outs[0]).all()  # every lost feature recomputed
-    for out in outs:
-        assert torch.equal(out, reference)

@@ -14,7 +14,7 @@ import torch
 
 import doracheck
 import doracheck.dispatch
-import doracheck.norm_cache
+import doracheck.norm_rule
 from doracheck.kernels import FactoredNorm
 from doracheck.properties import Implementation, run_suite
 from doracheck.properties.implementations import doracheck_implementation
@@ -51,28 +51,22 @@ def _bf16_accumulated_terms(weight, lora_A, lora_B, scaling, *, fan_in_fan_out=F
 
 @contextlib.contextmanager
 def bf16_norm():
-    """Every backend op that forms the norm swapped for one that accumulates in bf16: the
-    factored norm and the norm-with-g a training forward asks for (``scaled_norm``)."""
-    from doracheck.kernels.backends import _scaled_norm_composite
-
+    """The backend op that forms the norm swapped for one that accumulates in bf16."""
     original = doracheck.dispatch.backend_for
 
     def mutant_norm(w, a, b, s, fif, need_factors=False):
         return _bf16_accumulated_terms(w, a, b, s, fan_in_fan_out=fif)
 
     def bf16_norm_backend(*tensors):
-        return original(*tensors)._replace(
-            factored_norm=mutant_norm,
-            scaled_norm=lambda w, a, b, m, s, fif: _scaled_norm_composite(mutant_norm, w, a, b, m, s, fif),
-        )
+        return original(*tensors)._replace(factored_norm=mutant_norm)
 
     doracheck.dispatch.backend_for = bf16_norm_backend
-    doracheck.norm_cache.clear_norm_cache()
+    doracheck.norm_rule.clear_norm_cache()
     try:
         yield
     finally:
         doracheck.dispatch.backend_for = original
-        doracheck.norm_cache.clear_norm_cache()
+        doracheck.norm_rule.clear_norm_cache()
 
 
 def bf16_norm_dora(*args, **kwargs):
@@ -109,14 +103,14 @@ def wrong_axis_dora(x, weight, lora_A, lora_B, magnitude, scaling, bias=None, *,
 
 @contextlib.contextmanager
 def version_blind_cache():
-    original = doracheck.norm_cache._fingerprint
-    doracheck.norm_cache._fingerprint = lambda t: (id(t), t.data_ptr(), tuple(t.shape), t.dtype, t.device)
-    doracheck.norm_cache.clear_norm_cache()
+    original = doracheck.norm_rule._fingerprint
+    doracheck.norm_rule._fingerprint = lambda t: (id(t), t.data_ptr(), tuple(t.shape), t.dtype, t.device)
+    doracheck.norm_rule.clear_norm_cache()
     try:
         yield
     finally:
-        doracheck.norm_cache._fingerprint = original
-        doracheck.norm_cache.clear_norm_cache()
+        doracheck.norm_rule._fingerprint = original
+        doracheck.norm_rule.clear_norm_cache()
 
 
 class MergeWithoutG(doracheck.DoRALinear):
@@ -135,7 +129,7 @@ MUTANTS = {
     "dm_missing_1_over_n": (Implementation("dm*n", dm_without_one_over_n), ["fp32"], "backward.dm"),
     "wrong_axis": (Implementation("column-norm", wrong_axis_dora), ["fp32"], "forward.y"),
     "merge_without_g": (Implementation("merge-without-g", doracheck.dora_linear, module_cls=MergeWithoutG), ["fp32"], "merge.forward"),
-    "stale_cache": (Implementation("stale-cache", doracheck.dora_linear, clear_cache=doracheck.norm_cache.clear_norm_cache), ["fp32"], "cache.no_stale"),
+    "stale_cache": (Implementation("stale-cache", doracheck.dora_linear, clear_cache=doracheck.norm_rule.clear_norm_cache), ["fp32"], "cache.no_stale"),
 }
 CONTEXTS = {"stale_cache": version_blind_cache}
 
@@ -158,9 +152,7 @@ def test_planted_bug_is_caught(name):
 @pytest.mark.parametrize("training", [True, False], ids=["training", "no_grad"])
 def test_the_bf16_norm_mutant_reaches_the_layer(training):
     """The mutant must change what the layer computes in both kinds of forward, or the property
-    that catches it would be catching nothing of the layer (found in review: a training forward
-    asked ``scaled_norm``, which the mutant did not swap, and stored the clean norm for the no-grad
-    forward after it)."""
+    that catches it would be catching nothing of the layer."""
     gen = torch.Generator().manual_seed(2)
     W = torch.randn(24, 40, generator=gen)
     A = torch.randn(6, 40, generator=gen) * 0.3
@@ -173,7 +165,7 @@ def test_the_bf16_norm_mutant_reaches_the_layer(training):
         with torch.set_grad_enabled(training):
             return doracheck.dora_linear(args[0], args[1], args[2], args[3], args[4], 1.5).detach()
 
-    doracheck.norm_cache.clear_norm_cache()
+    doracheck.norm_rule.clear_norm_cache()
     clean = layer()
     with bf16_norm():
         mutated = layer()

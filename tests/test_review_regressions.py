@@ -12,7 +12,7 @@ import torch
 
 import doracheck
 from doracheck.dispatch import use_path
-from doracheck.norm_cache import clear_norm_cache
+from doracheck.norm_rule import clear_norm_cache
 from doracheck.properties import props
 from doracheck.reference import dora_forward_ref, norm_terms_ref, rel_l2
 
@@ -92,7 +92,7 @@ def test_norm_cache_entries_are_per_path():
         pytest.skip("needs the interpreter for the Triton path")
     x, W, A, B, m = _problem()
     clear_norm_cache()
-    from doracheck import norm_cache
+    from doracheck import norm_rule as norm_cache
 
     with use_path("torch"):
         doracheck.dora_linear(x, W, A, B, m, 2.0)
@@ -182,7 +182,7 @@ def test_fsdp_detection_survives_the_pre_2_6_layout_and_same_size_registry():
         "del sys.modules['torch.distributed.fsdp._fully_shard._fsdp_state']\n"
         "from torch.distributed._composable_state import _insert_module_state, _State, _module_state_mapping\n"
         "from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState\n"
-        "from doracheck.norm_cache import fsdp_active\n"
+        "from doracheck.norm_rule import fsdp_active\n"
         "m1 = nn.Linear(2, 2); s1 = _State(); _insert_module_state(m1, s1)\n"
         "a = fsdp_active(); n1 = len(_module_state_mapping)\n"
         "del m1; gc.collect()\n"
@@ -490,7 +490,7 @@ def test_a_stored_norm_is_read_only_on_the_stream_it_was_computed_on(monkeypatch
     """Threads serving one model with a CUDA stream each: a norm computed on stream A must not
     be read on stream B, which could read it before A's kernels finish (the current stream is
     part of the cache key; stand-in streams here)."""
-    from doracheck import norm_cache
+    from doracheck import norm_rule as norm_cache
 
     stream = {"now": 1}
     monkeypatch.setattr(norm_cache, "_stream_of", lambda t: stream["now"])

@@ -373,7 +373,7 @@ def _gpu_pair(seed: int, **kwargs):
 def assert_serves_a_fresh_norm(model, ids):
     """Sharp staleness check: the output served now equals, bitwise, the output computed after
     every stored norm is dropped (in grad mode and without)."""
-    from doracheck.norm_cache import clear_norm_cache
+    from doracheck.norm_rule import clear_norm_cache
 
     for grad in (False, True):
         served = _logits(model, ids, grad=grad)

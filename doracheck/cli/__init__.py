@@ -1,1 +1,1 @@
-"""The ``doracheck`` command line: env, verify, audit, bench, calibrate."""
+"""The ``doracheck`` command line: env, verify, audit, sample, calibrate, bench."""

@@ -11,11 +11,9 @@ The accelerated forward rewrites PEFT's base output x·Wᵀ + b in place into th
 (``doracheck.autograd.DoRAFromBaseFunction``), after the same input checks as ``dora_linear``: the factored norm (cached while W, A, B are
 unchanged, so generation pays for it once), the fused up-projection + stable compose, and a
 backward that computes dx itself, so the base layer's backward GEMM never runs. ``enable`` also
-hooks the model so that forwards without grad mode read each layer's norm from a module buffer
-kept up to date before the forward (``doracheck.inference_norms``): compiled inference and
-decode then stop recomputing norms. Repeat calls take shorter paths where the layer keeps a plan:
-armed inference calls (``peft_armed``) and eager training calls (``peft_train``); both compute
-bitwise what the general path does.
+hooks the model so that forwards without grad mode read each layer's norm from its state, kept
+up to date before the forward by the norm rule (``doracheck.inference_norms``): compiled
+inference and decode then stop recomputing norms.
 
 Stays on PEFT's path (one info log line per ``enable`` call): embedding and conv DoRA,
 quantized or otherwise non-float base layers, a trainable base weight, and, per call, a
@@ -35,17 +33,12 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.lora.variants import DoraLinearVariant
 from torch import nn
 
-from doracheck import inference_norms, norm_groups
+from doracheck import inference_norms
 from doracheck.autograd import dora_from_base
-from doracheck.inference_norms import _ARMED
-from doracheck.integrations import peft_train
-from doracheck.integrations.peft_armed import armed_forward
-from doracheck.numerics import _autocast_enabled
+from doracheck.inference_norms import STATE, state_of
 from doracheck.validation import check_dora_inputs
 
 logger = logging.getLogger("doracheck")
-_ORIGINALS = "_doracheck_original_variants"
-_PASS_HOOKS = "_doracheck_pass_hooks"
 
 
 class DoracheckDoraLinearVariant(DoraLinearVariant):
@@ -53,19 +46,7 @@ class DoracheckDoraLinearVariant(DoraLinearVariant):
 
     @staticmethod
     def forward(module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:  # type: ignore[override]
-        # Not while torch.compile traces: the compiled graph keeps the general path's functional form.
-        compiling = torch.compiler.is_compiling()
-        grad = torch.is_grad_enabled()
-        if not grad and module.__dict__.get(_ARMED) and not compiling:
-            y = armed_forward(module, active_adapter, x, result, kwargs)
-            if y is not None:
-                return y
-        elif grad and not compiling and peft_train.ENABLED:  # a training call: the layer's plan, if it holds
-            y = peft_train.train_forward(module, active_adapter, x, result, kwargs)
-            if y is not None:
-                return y
-        submodules = _submodules(module, active_adapter)
-        base_layer, lora_A_mod, lora_B_mod, magnitude_mod, dropout, lora_A_dict = submodules
+        base_layer, lora_A_mod, lora_B_mod, magnitude_mod, dropout, lora_A_dict = _submodules(module, active_adapter)
         weight = base_layer.weight
         dropout_active = module.training and not isinstance(dropout, nn.Identity)
         p = float(getattr(dropout, "p", 0.0))
@@ -97,26 +78,8 @@ class DoracheckDoraLinearVariant(DoraLinearVariant):
         if dropout_active and p > 0:
             # The same draw PEFT's dropout(x) would make (same shape, dtype, device, RNG state).
             keep = dropout(torch.ones_like(x)) != 0
-        y = dora_from_base(
-            x,
-            result,
-            weight,
-            lora_A,
-            lora_B,
-            magnitude,
-            base_layer.bias,
-            scaling,
-            module.fan_in_fan_out,
-            keep,
-            p if keep is not None else 0.0,
-            result_is_base,
-            n_safe,
-        )
-        if (grad and not compiling and result_is_base and not dropout_active and not module.fan_in_fan_out
-                and peft_train.ENABLED and not _autocast_enabled(x.device.type)
-                and (x.requires_grad or lora_A.requires_grad or lora_B.requires_grad or magnitude.requires_grad)):
-            peft_train.keep_plan(module, active_adapter, submodules, x, result, scaling)  # checked in full: plan the next call
-        return y
+        return dora_from_base(x, result, weight, lora_A, lora_B, magnitude, base_layer.bias, scaling, module.fan_in_fan_out,
+                              keep, p if keep is not None else 0.0, result_is_base, n_safe)
 
 
 def _submodules(module: nn.Module, adapter: str):
@@ -158,12 +121,9 @@ def enable(model: nn.Module, *, norm_buffers: bool = True) -> nn.Module:
     with ``_ =`` in a REPL that would print the returned model.
 
     ``norm_buffers`` (default True): hook the model so that forwards without grad mode read
-    each layer's norm from a buffer refreshed once per forward (``doracheck.inference_norms``:
-    eager inference skips per-layer cache lookups, a compiled ``generate`` stops recomputing
-    norms), and mark each forward of the model and of its base model as one pass
-    (``norm_groups.begin_pass`` / ``end_pass``: the planned layers of a training forward share one
-    norm refresh within it). False: no hooks and no buffers; every layer computes or looks up its
-    own norm, in training too."""
+    each layer's norm from its state, refreshed by the norm rule before the forward (once per
+    ``generate`` call; ``doracheck.inference_norms``), so a compiled ``generate`` stops
+    recomputing norms. False: no hooks; every layer looks its norm up itself."""
     accelerated = 0
     skipped: dict[str, list[str]] = {}
     for name, module in model.named_modules():
@@ -181,36 +141,18 @@ def enable(model: nn.Module, *, norm_buffers: bool = True) -> nn.Module:
             if reason is not None:
                 skipped.setdefault(reason, []).append(f"{name}[{adapter}]")
                 continue
-            module.__dict__.setdefault(_ORIGINALS, {})[adapter] = variant
+            state_of(module).originals[adapter] = variant
             variants[adapter] = DoracheckDoraLinearVariant()
             accelerated += 1
     if norm_buffers:
-        _hook_passes(_entry_points(model))
         inference_norms.attach(_routed(model), _entry_points(model))
     else:
         inference_norms.detach(model)
-        for module in getattr(model, "_orig_mod", model).modules():
-            _unhook_passes(module)
     left = sum(len(where) for where in skipped.values())
     logger.info("doracheck: %d DoRA Linear adapters now run through doracheck, %d stay on PEFT's path", accelerated, left)
     for reason, where in skipped.items():
         logger.info("doracheck: %d DoRA adapters stay on PEFT's path (%s), e.g. %s", len(where), reason, where[0])
     return model
-
-
-def _hook_passes(entries: list[nn.Module]) -> None:
-    """Mark each forward of the model as one pass (``norm_groups.begin_pass`` / ``end_pass``):
-    the planned layers share one norm refresh only within a pass, never across the user's code
-    between two forwards. Once per module."""
-    for entry in entries:
-        if _PASS_HOOKS not in entry.__dict__:
-            entry.__dict__[_PASS_HOOKS] = (entry.register_forward_pre_hook(norm_groups.begin_pass),
-                                           entry.register_forward_hook(norm_groups.end_pass, always_call=True))
-
-
-def _unhook_passes(module: nn.Module) -> None:
-    for handle in module.__dict__.pop(_PASS_HOOKS, ()):
-        handle.remove()
 
 
 def _routed(model: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -236,8 +178,8 @@ def disable(model: nn.Module) -> nn.Module:
     ``merge_and_unload()``, whose returned base model would otherwise keep the hooks."""
     inference_norms.detach(model)
     for module in getattr(model, "_orig_mod", model).modules():
-        _unhook_passes(module)
-        originals = module.__dict__.pop(_ORIGINALS, None)
+        state = module.__dict__.pop(STATE, None)
+        originals = None if state is None else state.originals
         if not originals:
             continue
         variants: dict = module.__dict__.get("lora_variant") or getattr(module, "lora_variant", {})

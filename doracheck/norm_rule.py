@@ -1,42 +1,33 @@
-"""When a computed DoRA norm may be used again: the one rule, in ``lookup_or_compute``.
+"""When doracheck computes a DoRA norm and when it reuses one: the one rule, for every path.
 
-A norm n = ||W + s·B·A|| (rows) depends on W, A, B and s. Version counters do not see every
-write to them: fused optimizers (``torch.optim.AdamW(fused=True)``, transformers' Trainer
-default) and writes through ``p.data`` leave ``_version`` unchanged. So a version match alone
-never licenses reuse. The rule, by the kind of forward asking:
+Every DoRA call needs the row norms n = ||W + s·B·A||. ``lookup_or_compute`` decides, for
+``dora_linear``, ``DoRALinear``, the PEFT integration in training and evaluation, and the
+model-level refresh that ``generate`` and compiled inference read (``inference_norms``):
 
-1. **A training forward** (grad mode, outside any backward): always computes the norm. It
-   stores it for its own activation-checkpoint recompute and reads nothing stored before.
-2. **A recompute inside a backward** (checkpointing, reentrant or not: detected by autograd's
-   running graph task): reads the norm its forward stored. Nothing can legitimately write
-   the parameters between a forward and its backward.
-3. **A forward without grad mode** (evaluation, generation, reentrant checkpointing's first
-   pass) reads a stored norm only if, since it was stored, no training has happened:
-   - no ``torch.optim`` optimizer has stepped (a global step post-hook; fused, foreach and
-     for-loop optimizers alike, and every ``torch.optim.Optimizer`` subclass);
-   - no doracheck backward has run: once one has, parameters may be written by hand at any
-     time (a tutorial ``p.data -= lr*p.grad``), so until the next optimizer step or training
-     forward starts a new era, a forward without grad mode neither reads nor stores, and it
-     drops the layer's stored value: it may be the first pass of reentrant checkpointing,
-     whose recompute must then compute afresh rather than read an earlier step's value;
-   - the tensors are the same objects, at the same address, with the same version counter,
-     s, layout, shape, dtype and device (in-place writes under ``no_grad``, ``load_state_dict``),
-     and the current CUDA stream is the one the norm was computed on (another stream could read
-     it before its kernels finish).
+1. **A training forward** (autograd records it, outside a backward) computes the norm and
+   stores it in the slot of its (layer, adapter). It reads nothing stored before.
+2. **Its activation-checkpoint recompute** (a forward inside a backward: autograd's running
+   graph task) reuses the stored norm when the stamp matches.
+3. **A forward without grad mode** (evaluation, ``generate``, decode, reentrant
+   checkpointing's first pass) reuses the stored norm when the stamp matches, until an
+   optimizer step (a global post-hook: every ``torch.optim`` optimizer, fused and foreach
+   ones included), a backward, or ``clear_norm_cache()``. After a backward it neither reads
+   nor stores (and drops the layer's slot) until the next optimizer step, training forward or
+   ``clear_norm_cache()`` starts a new era: parameters may be written by hand meanwhile
+   (``p.data -= lr * p.grad``).
 
-So training pays one norm per forward (a gradient-accumulation micro-step included) and none
-per checkpoint recompute; inference and decode pay one norm until the model is trained or
-written. Two writes nothing can see: ``param.data`` (or ``set_``) between two forwards with
-no backward and no optimizer step between them (hand-editing adapters between inference
-calls), and ``param.data`` updates in a loop whose backward torch.compile compiled (a
-compiled backward cannot record that it ran; a ``torch.optim`` step still ends the era).
-Call ``clear_norm_cache()`` after them. Not cached at all: tensors without a version
-counter (inference tensors), torch.compile tracing (a compiled graph recomputes), and
-processes where FSDP2 (``fully_shard``) manages modules, since FSDP2 all-gathers new values
-into the same unsharded tensors with their version counters preserved.
+The stamp is what a reused norm was computed from: W, A and B as (object, address, version,
+shape, strides, dtype, device), s, ``fan_in_fan_out``, the implementation path and the current
+CUDA stream (another stream could read the norm before its kernels finish). Version counters do
+not see writes through ``.data`` or ``set_``: after such a write outside an optimizer step
+(hand-editing adapters between two inference calls, weights written during a forward) call
+``clear_norm_cache()``. Never stored: while torch.compile traces (a compiled graph recomputes,
+unless it reads an ``inference_norms`` state), under CUDA graph capture, for inference tensors
+(no version counter), and once FSDP2 (``fully_shard``) manages modules (it all-gathers new values
+into the same tensors with their version counters preserved).
 
-Entries hold weak references to W, A, B and are dropped when B is freed, so a new tensor
-that reuses an address never matches.
+A slot holds weak references to W, A and B and is dropped when B is freed, so a new tensor at a
+reused address never matches.
 """
 
 from __future__ import annotations
@@ -60,7 +51,7 @@ _stats = {"hits": 0, "misses": 0}
 _era = {"number": 0, "backward_seen": False}
 
 
-_era_listeners: list = []  # called at the end of every era (inference_norms disarms its layers)
+_era_listeners: list = []  # called at the end of every era (inference_norms disarms an interrupted forward's layers)
 
 
 def on_era_end(listener) -> None:
@@ -102,16 +93,6 @@ def note_backward() -> None:
     compiled graph cannot mutate Python state; compiled forwards store nothing either)."""
     if not _compiling():
         _era["backward_seen"] = True
-        for listener in _backward_listeners:
-            listener()
-
-
-_backward_listeners: list = []  # called by every doracheck backward (norm_groups ends this thread's pass)
-
-
-def on_backward(listener) -> None:
-    """Call ``listener()`` in every doracheck backward (eager)."""
-    _backward_listeners.append(listener)
 
 
 def _compiling() -> bool:
@@ -143,10 +124,10 @@ def _stream_of(t: torch.Tensor):
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
-def _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude):
+def stamp(weight, lora_A, lora_B, scaling, fan_in_fan_out):
+    """What a norm is computed from (the module docstring), or None for inference tensors."""
     try:
-        mag = _fingerprint(magnitude) if magnitude is not None else None
-        return (_fingerprint(weight), _fingerprint(lora_A), _fingerprint(lora_B), mag, float(scaling), bool(fan_in_fan_out),
+        return (_fingerprint(weight), _fingerprint(lora_A), _fingerprint(lora_B), float(scaling), bool(fan_in_fan_out),
                 _stream_of(weight))
     except RuntimeError:  # inference tensors have no version counter
         return None
@@ -209,18 +190,17 @@ def _cacheable() -> bool:
     return not _compiling() and not fsdp_active()
 
 
-def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, *, recording, magnitude=None, tag=""):
+def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, *, recording, tag=""):
     """The stored value for these tensors if the module rule allows reusing it, else
     ``compute()`` (stored for later). ``recording``: the caller's forward is recorded by
     autograd (a training forward; inside an autograd Function's forward grad mode is off, so
-    the caller says). With ``magnitude`` the value may depend on it too (its version is part
-    of the key); ``tag`` (the implementation path) is part of the key, so paths never share
-    entries."""
+    the caller says). ``tag`` (the implementation path) is part of the key, so paths never
+    share entries."""
     if not _cacheable() or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
         # Under CUDA graph capture the norm is part of the graph: a replay recomputes it from the
         # parameters as they are then; a stored tensor would be graph memory that replays overwrite.
         return compute()
-    key = _key(weight, lora_A, lora_B, scaling, fan_in_fan_out, magnitude)
+    key = stamp(weight, lora_A, lora_B, scaling, fan_in_fan_out)
     if key is None:
         return compute()
     in_backward = _in_backward()
@@ -232,8 +212,8 @@ def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, 
             # Between a backward and the next step anything may write (rule 3): no reading, no
             # storing, and the layer's stored entry is dropped. This forward may be the first
             # pass of reentrant checkpointing: its recompute inside the backward must then
-            # compute afresh, not find an earlier step's value (found in review: parameters
-            # updated through .data between steps gave stale norms and g to the recompute).
+            # compute afresh, not find an earlier step's value (parameters updated through
+            # .data between steps would give stale norms to the recompute).
             # Storing this forward's value instead was wrong too: an evaluation with swapped
             # weights (an EMA copied in and back through .data) before a pending backward would
             # have replaced the value that backward's recompute reads.
@@ -268,8 +248,8 @@ def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, 
 def _holds_inference_tensors(value) -> bool:
     """Whether a stored value was formed under ``torch.inference_mode`` (an evaluation run
     there): a recompute inside a backward cannot save such tensors for its own backward, so it
-    computes afresh (found in review: an inference-mode validation before the first training
-    step made reentrant checkpointing's recompute raise)."""
+    computes afresh (an inference-mode validation before the first training step would make
+    reentrant checkpointing's recompute raise)."""
     parts = value if isinstance(value, tuple) else (value,)
     for part in parts:
         for t in part if isinstance(part, tuple) else (part,):
