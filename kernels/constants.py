@@ -8,7 +8,7 @@ Code that torch.compile may trace reads it as ``eps()``, a literal, never as the
 with ``torch.compile(dynamic=True)`` dynamo makes a global float a symbolic input, and a global
 float read inside an ``autograd.Function`` that a graph applies twice (every layer after the
 first) fails with dynamo's internal "lift_tracked_freevar_to_input should not be called on root
-SubgraphTracer" (seen with torch 2.13; ``tests/test_compile_fullgraph.py``); a literal is a constant.
+SubgraphTracer" (seen with torch 2.13; ``tests/layer/test_compile_fullgraph.py``); a literal is a constant.
 """
 
 

@@ -227,7 +227,7 @@ def _register(name: str, body: Callable[..., Any], fake: Callable[..., Any]):
     Why a ``fake`` that only allocates: the body picks its tiles from the shapes (T <= 16 for
     decode, the number of token blocks), and on symbolic shapes (``torch.compile(dynamic=True)``,
     or a second sequence length) each such choice becomes a guard, hence a recompile per tile
-    bucket; the outputs' shapes do not depend on those choices. ``tests/test_ops_fakes.py`` runs
+    bucket; the outputs' shapes do not depend on those choices. ``tests/kernels/test_ops_fakes.py`` runs
     ``torch.library.opcheck`` on each op, which compares the fake's outputs with the real ones."""
     if _TRACE_KERNELS:
         return triton_op(f"doracheck::{name}", _guarded(body), mutates_args=())

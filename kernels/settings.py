@@ -244,7 +244,7 @@ def grad_config(T: int, d_out: int) -> GradConfig:
 # fwd+bwd peak is 262 MiB above resident against nn.Linear's 128 MiB. Each chunk costs two host
 # calls (the dz/dm launch and dx += dz·W), which the host-bound eager step pays. Same layer:
 # fwd+bwd peak 158 / 174 / 204 MiB at 16 / 32 / 64 MiB against the 192 MiB bound
-# tests/test_kernels_gpu.py holds (1.25 × nn.Linear's 128 + 32); model step + fused AdamW, host
+# tests/kernels/test_kernels_gpu.py holds (1.25 × nn.Linear's 128 + 32); model step + fused AdamW, host
 # CPU per step at 16 / 32 MiB: 98.1 / 93.1 ms and, on another host, 107.4 / 98.5 ms (one process
 # each, configurations interleaved).
 BACKWARD_CHUNK_BYTES = 32 * 1024 * 1024

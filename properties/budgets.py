@@ -15,7 +15,7 @@ the error in absolute terms and catches gross bugs in any precision; in 16 bits,
 output's rounding alone is u, it cannot resolve a 1% error. The baseline ratio (``ratio_*``
 rows) can: a correct implementation is about as accurate as the naive PEFT-style computation
 in the same dtype on the same inputs (measured: at most 1.6x it, quick and full profiles, CPU),
-so ``err(impl) <= 2·err(naive) + floor`` fails a 1.01x gradient (``tests/test_mutations.py``).
+so ``err(impl) <= 2·err(naive) + floor`` fails a 1.01x gradient (``tests/properties/test_mutations.py``).
 
 Unit roundoff: u(fp32) = 2⁻²⁴ ≈ 6.0e-8, u(bf16) = 2⁻⁸ ≈ 3.9e-3, u(fp16) = 2⁻¹¹ ≈ 4.9e-4.
 Families: cpu, interpreter (Triton under TRITON_INTERPRET=1), sm80, sm89, sm90, sm100, sm120.

@@ -3,7 +3,7 @@
 Each is a callable with ``dora_linear``'s signature, so ``doracheck verify --impl
 mutants:NAME --dtype DT`` (with ``tests/`` on PYTHONPATH) runs the whole suite on it. A
 correct implementation must never be mistaken for one of these, and each must be caught in
-its precision (``tests/test_mutations.py``, margins in ``properties/verified/``):
+its precision (``tests/properties/test_mutations.py``, margins in ``properties/verified/``):
 
 - ``{dx,dA,dB,dm}_x1.01_{bf16,fp16}``: that gradient scaled by 1.01 when x is in that dtype
   (caught by the baseline ratio of that gradient: a correct implementation is about as

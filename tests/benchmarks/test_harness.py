@@ -61,8 +61,10 @@ def test_an_undeclared_column_is_refused(tmp_path):
     assert not (tmp_path / "x.csv").exists()
 
 
-def test_smoke_rows_never_go_to_results(monkeypatch):
+def test_smoke_and_test_runs_never_write_to_results(monkeypatch):
     monkeypatch.delenv("BENCH_RESULTS", raising=False)
+    assert harness.RESULTS not in harness.results_path("layer").parents  # under pytest (PYTEST_CURRENT_TEST)
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")
     assert harness.results_path("layer") == harness.RESULTS / "layer.csv"
     assert harness.RESULTS not in harness.results_path("layer", smoke=True).parents
     monkeypatch.setenv("BENCH_RESULTS", "/somewhere")
