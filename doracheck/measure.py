@@ -1,9 +1,8 @@
 """Measuring the layer, above it: the planner's candidates timed side by side, and the rows
 ``doracheck bench`` prints (docs/design.md section 5).
 
-The planner predicts from a cost model and never imports the layer; timed planning reaches it
-through ``planner.plan(measure=...)`` with ``measure_variants`` from here (``doracheck``
-registers it with ``planner.set_measure`` at import). Times follow ``doracheck.timing``: warm-up,
+The planner predicts from a cost model and imports the layer only to time it: timed planning
+calls ``measure_variants`` from here (imported by ``planner.plan`` when first needed). Times follow ``doracheck.timing``: warm-up,
 then CUDA events (the host clock on a CPU), medians over samples of back-to-back calls;
 ``measure_variant_spread`` gives the 10th and 90th percentiles of the samples beside them.
 """

@@ -19,8 +19,10 @@ model-level refresh that ``generate`` and compiled inference read (``inference_n
 The stamp is what a reused norm was computed from: W, A and B as (object, address, version,
 shape, strides, dtype, device), s, ``fan_in_fan_out``, the implementation path and the current
 CUDA stream (another stream could read the norm before its kernels finish). Version counters do
-not see writes through ``.data`` or ``set_``: after such a write outside an optimizer step
-(hand-editing adapters between two inference calls, weights written during a forward) call
+not see in-place writes through ``p.data``: after such a write outside an optimizer step
+(hand-editing adapters between two inference calls, a training loop whose backward torch.compile
+compiled, which cannot record that it ran, updated by hand), and after any write made during a
+forward or a ``generate`` call (``inference_norms`` checks once before them), call
 ``clear_norm_cache()``. Never stored: while torch.compile traces (a compiled graph recomputes,
 unless it reads an ``inference_norms`` state), under CUDA graph capture, for inference tensors
 (no version counter), and once FSDP2 (``fully_shard``) manages modules (it all-gathers new values

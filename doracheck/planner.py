@@ -117,13 +117,7 @@ _MAX_PLANS = 4096
 _PLANS: dict[tuple, Variant] = {}
 _TIMED: dict[tuple, dict[str, float]] = {}
 _MODE: list[str] = ["cost"]
-_MEASURE: list[Callable[..., dict[str, float]] | None] = [None]
-
-
-def set_measure(measure: Callable[..., dict[str, float]] | None) -> None:
-    """The function timed planning measures candidates with when ``plan`` is given none. It
-    lives above the layer (it calls it), so it is registered rather than imported."""
-    _MEASURE[0] = measure
+_MEASURE: list[Callable[..., dict[str, float]] | None] = [None]  # None: ``doracheck.measure.measure_variants``
 
 
 @contextlib.contextmanager
@@ -248,8 +242,8 @@ def plan(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype = torch.
     With ``timed`` the choice is the fastest measured candidate: ``measure(candidates, d_in,
     d_out, r, tokens, dtype, training, device, dropout=..., detach_norm=...)`` -> {name: ms}
     times them side by side on ``device`` once per shape (cached for the process; ``refresh``
-    measures again). The planner does not measure by itself: ``measure`` defaults to the one
-    ``set_measure`` registered (``doracheck`` registers ``doracheck.measure.measure_variants``)."""
+    measures again). ``measure`` defaults to ``doracheck.measure.measure_variants`` (imported
+    here, when first needed: it runs the layer, which imports the planner)."""
     cands = candidates(d_in, d_out, r, tokens, dtype, training, dropout, detach_norm)
     predicted = {v.name: predict_ms(v, d_in, d_out, r, tokens, dtype, training, ceilings) for v in cands}
     if not timed:
@@ -259,10 +253,10 @@ def plan(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype = torch.
     if refresh or key not in _TIMED:
         if len(_TIMED) >= _MAX_PLANS:  # many distinct token counts: start over rather than grow
             _TIMED.clear()
-        measure = measure or _MEASURE[0]
         if measure is None:
-            raise ValueError("plan(timed=True): no measure function (pass measure=, or import doracheck, which registers "
-                             "doracheck.measure.measure_variants)")
+            measure = _MEASURE[0]
+        if measure is None:
+            from .measure import measure_variants as measure
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"plan(timed=True): device {device!r} is not available here (pass device='cpu' to time on the CPU)")
         _TIMED[key] = measure(cands, d_in, d_out, r, tokens, dtype, training, device, dropout=dropout, detach_norm=detach_norm)

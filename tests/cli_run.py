@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def doracheck_command() -> list[str]:
     """The console script installed beside this interpreter (``pip install -e .`` puts it there)."""
@@ -48,3 +50,8 @@ def one_line(proc: subprocess.CompletedProcess) -> str:
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     return lines[0]
+
+
+def require_matplotlib() -> None:
+    """Skip, saying why, where the optional report extra (matplotlib) is missing."""
+    pytest.importorskip("matplotlib", reason="the HTML report needs the report extra: pip install 'doracheck[report]'")

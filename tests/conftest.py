@@ -5,15 +5,27 @@
 - With several GPUs, pytest-xdist worker gwN is pinned to GPU N mod count.
 - hypothesis profiles: "ci" (derandomized, bounded, no deadline; the default) and "long".
 - Ctrl-C reaches the commands the CLI tests start, however pytest itself was started (below).
+- The repository root is taken off ``sys.path`` (below).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# The repository root holds the folder kernels/, installed as ``doracheck.kernels``. With the root
+# on sys.path (``python -m pytest`` puts the working directory there) that folder would stand in
+# for an installed top-level ``kernels`` package (HuggingFace's, which transformers imports), and
+# test modules would fail to collect. The tests import doracheck as installed, never from the root.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [entry for entry in sys.path if Path(entry or os.getcwd()).resolve() != _ROOT]
+if getattr(sys.modules.get("kernels"), "__file__", None) == str(_ROOT / "kernels" / "__init__.py"):
+    del sys.modules["kernels"]
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -124,11 +124,14 @@ def _audit(path: Path, base, config, dev, progress, keep_arrays: bool) -> AuditR
             if base_weights is None and not report.plain_lora and peft_modules:
                 report.notes.append("no --base: norm, scale, overflow and merge checks need the base weights")
             if base_weights is not None and not report.plain_lora:
-                _require_base_match(base_weights, [m for m in peft_modules if "magnitude" in m.keys])
+                dora_modules = [m for m in peft_modules if "magnitude" in m.keys]
+                _require_base_match(base_weights, dora_modules)
+                _require_base_shapes(base_weights, adapter, dora_modules, bool(cfg.fan_in_fan_out) if cfg else False)
             for i, keys in enumerate(modules):
                 if progress:
                     progress(i + 1, len(modules), keys.name)
                 report.modules.append(_audit_module(adapter, keys, cfg, base_weights, dev, report.plain_lora, keep_arrays))
+            _note_mismatch(report)
             return report
     finally:
         if base_weights is not None:
@@ -145,6 +148,38 @@ def _require_base_match(base: BaseWeights, modules: list[ModuleKeys]) -> None:
         f"--base {base.path}: matches none of the adapter's {len(modules)} DoRA modules: looked for e.g. "
         f"{modules[0].name + '.weight'!r}, {theirs}; is it the model this adapter was trained on?"
     )
+
+
+def _require_base_shapes(base: BaseWeights, adapter: SafetensorsFile, modules: list[ModuleKeys], fan_in_fan_out: bool) -> None:
+    """A base whose weights have other shapes than the adapter's is another model: one line with a
+    count and an example, exit 2 (rather than one error finding per module)."""
+    wrong, found = [], 0
+    for module in modules:
+        key = base.find(module.name)
+        A, B = adapter.tensors.get(module.keys.get("A", "")), adapter.tensors.get(module.keys.get("B", ""))
+        if key is None or A is None or B is None or len(A.shape) != 2 or len(B.shape) != 2:
+            continue  # reported per module (base.missing, structure.shape)
+        found += 1
+        expected = (A.shape[1], B.shape[0]) if fan_in_fan_out else (B.shape[0], A.shape[1])
+        got = tuple(base.info(key).shape)
+        if got != expected:
+            wrong.append((key, got, expected))
+    if wrong:
+        key, got, expected = wrong[0]
+        raise AuditInputError(
+            f"--base {base.path}: {len(wrong)} of the {found} DoRA modules it holds have weights of other shapes than the "
+            f"adapter's, e.g. {key!r} is {got} where the adapter needs {expected}; is it the model this adapter was trained on?"
+        )
+
+
+def _note_mismatch(report: AuditReport) -> None:
+    """One note naming the modules whose magnitudes do not belong to the base (``base.mismatch``)."""
+    names = [m.name for m in report.modules if any(c.id == "base.mismatch" for c in m.checks)]
+    if names:
+        audited = sum(1 for m in report.modules if "base_agreement" in m.stats)
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        report.notes.append(f"--base: the magnitudes of {len(names)} of {audited} modules do not follow this base's row norms "
+                            f"({shown}): is it the model this adapter was trained on?")
 
 
 def _audit_module(adapter: SafetensorsFile, keys, cfg: AdapterConfig | None, base: BaseWeights | None, dev, plain_lora: bool,

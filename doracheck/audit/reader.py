@@ -84,10 +84,19 @@ def _fail(path: Path, problem: str) -> AuditInputError:
     return AuditInputError(f"{path}: {problem}")
 
 
+def special_file(path: Path) -> AuditInputError | None:
+    """The error for a path that exists but is neither a regular file nor a folder (a device such
+    as /dev/null, a pipe, a socket), else None."""
+    if path.exists() and not path.is_file() and not path.is_dir():
+        return _fail(path, "is a device or special file, not a safetensors file or a folder holding one")
+    return None
+
+
 def read_header(path: Path, role: str = "adapter") -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Validate a safetensors header: sizes, JSON, dtypes, shapes, offsets (in bounds, sized
     to their shape, not overlapping, covering the data). Returns (tensors, metadata).
-    A PyTorch pickle is refused with how to re-save it (``role``: "adapter" or "base")."""
+    A PyTorch pickle is refused with how to re-save it (``role``: "adapter" or "base"), and a
+    JSON or other text file is named as such."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -95,6 +104,9 @@ def read_header(path: Path, role: str = "adapter") -> tuple[dict[str, TensorInfo
             what = pickle_kind(path, prefix)
             if what is not None:
                 raise pickle_error(path, what, role)
+            if prefix.lstrip()[:1] in (b"{", b"["):
+                hint = " (the config beside an adapter: pass adapter_model.safetensors or its folder)" if role == "adapter" else ""
+                raise _fail(path, f"this is a JSON file{hint}, not a safetensors file")
             prefix = prefix[:8]
             f.seek(8)
             if len(prefix) < 8:
@@ -219,7 +231,7 @@ class BaseWeights:
         elif self.path.is_file():
             self._index_file(self.path)
         else:
-            raise _fail(self.path, "no such file or folder")
+            raise special_file(self.path) or _fail(self.path, "no such file or folder")
 
     def _index_file(self, path: Path) -> None:
         handle = self._open(path)
@@ -287,4 +299,4 @@ def adapter_file(path: Path) -> Path:
         return candidate
     if path.is_file():
         return path
-    raise _fail(path, "no such file or folder")
+    raise special_file(path) or _fail(path, "no such file or folder")

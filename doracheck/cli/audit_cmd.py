@@ -1,9 +1,9 @@
 """``doracheck audit PATH [--base PATH] [--config FILE] [--json] [--verbose] [--report FILE.html]
 [--device auto|cpu|cuda] [--strict]``.
 
-Text output: the summary table (modules in numeric order), a legend of its columns, the
-findings (errors and warnings; ``--verbose`` adds the info ones), a summary line and the norm
-scratch memory. ``--json`` prints one JSON object instead. ``--report FILE.html`` also writes one
+Text output: the summary table (modules in numeric order), the findings (errors and warnings;
+``--verbose`` adds the info ones), a summary line, the norm scratch memory, and last a legend of
+the table's columns (left out with ``--quiet`` or when the CI environment variable is set). ``--json`` prints one JSON object instead. ``--report FILE.html`` also writes one
 self-contained HTML file with the table, the legend, the findings and per-module plots
 (needs matplotlib). Before any work it checks that FILE.html can be written and is new or an
 earlier doracheck report: any other existing file (an input, model weights) is never replaced;
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -67,15 +68,13 @@ def _finite_json(value):
     return value
 
 
-def print_text(report, verbose: bool) -> None:
+def print_text(report, verbose: bool, legend: bool = True) -> None:
     from doracheck.audit import summary
 
     print(f"{PROG}: {report.path} ({report.fmt}, {len(report.modules)} modules)")
     for i, note in enumerate(report.notes):  # a plain LoRA adapter's notice comes first
         print(f"{'notice' if report.plain_lora and i == 0 else 'note'}: {note}")
     print(format_table(summary.header(report), summary.rows(report)))
-    print()
-    print(format_legend(summary.legend(report)))
     shown = {"error", "warning", "info"} if verbose else {"error", "warning"}
     findings = [(m.name, c) for m in report.modules for c in m.checks if c.severity in shown]
     if findings:
@@ -90,6 +89,9 @@ def print_text(report, verbose: bool) -> None:
     memory = summary.memory_line(report)
     if memory:
         print(memory)
+    if legend:
+        print()
+        print(format_legend(summary.legend(report)))
 
 
 def _check_report_path(args) -> str | None:
@@ -172,7 +174,7 @@ def _run(args) -> int:
     if args.json:
         print(json.dumps(_finite_json(report.as_dict()), indent=2, allow_nan=False))
     else:
-        print_text(report, args.verbose)
+        print_text(report, args.verbose, legend=not (args.quiet or os.environ.get("CI")))
     if args.report:
         from doracheck.cli.html_report import write_error
 
@@ -204,6 +206,8 @@ def add_parser(sub) -> None:
                    "a safetensors file, a sharded folder (model.safetensors.index.json) or a folder with one safetensors file")
     p.add_argument("--config", metavar="FILE", help="adapter_config.json (default: the one next to the adapter)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table (no progress bar)")
+    p.add_argument("--quiet", "-q", action="store_true", help="leave out the legend of the table's columns (also left out "
+                   "when the CI environment variable is set)")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="also list info-level findings (norm terms, g statistics, 16-bit collapse, merge error per module)")
     p.add_argument("--report", metavar="FILE.html", help="also write a self-contained HTML report with the table, the legend, "

@@ -50,12 +50,21 @@ def collect() -> dict:
 
 
 def version_line() -> str:
-    """``doracheck 0.1.0 (torch 2.x, triton 3.x, python 3.11.x)``: what ``doracheck --version`` prints."""
-    from doracheck.measure import versions
+    """``doracheck 0.1.0 (torch 2.x, triton 3.x, python 3.11.x)``: what ``doracheck --version`` prints,
+    read from the installed distributions' metadata, so that nothing imports torch."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    v = versions()
-    triton = f"triton {v['triton']}" if v["triton"] else "triton not installed"
-    return f"doracheck {v['doracheck']} (torch {v['torch']}, {triton}, python {platform.python_version()})"
+    from doracheck import __version__
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    torch, triton = installed("torch"), installed("triton")
+    return (f"doracheck {__version__} (torch {torch or 'not installed'}, "
+            f"{f'triton {triton}' if triton else 'triton not installed'}, python {platform.python_version()})")
 
 
 class VersionAction(argparse.Action):

@@ -21,7 +21,7 @@ import time
 
 import pytest
 import torch
-from cli_run import doracheck_command, no_traceback, run_cli, snapshot
+from cli_run import doracheck_command, no_traceback, require_matplotlib, run_cli, snapshot
 
 from doracheck.cli.main import build_parser
 
@@ -61,6 +61,19 @@ def test_version_is_one_line_with_torch_and_triton(folder):
     assert re.fullmatch(r"doracheck \d+\.\d+\.\d+ \(torch \S+, (triton \S+|triton not installed), python \S+\)\n", proc.stdout)
     assert torch.__version__ in proc.stdout
     assert not changed(before, folder)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["audit", "--help"], ["verify", "--help"], ["bench", "--help"],
+                                  ["env", "--help"], ["sample", "--help"], ["calibrate", "--help"]], ids=" ".join)
+def test_help_and_version_start_without_importing_torch(args, tmp_path):
+    """``--help`` and ``--version`` answer at once: nothing on their path imports torch (2.5-3.5 s)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom doracheck.cli.main import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    print('exit', e.code, 'torch' in sys.modules, file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", code, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.stderr.strip().splitlines()[-1] == "exit 0 False", done.stderr[-2000:]
 
 
 # help --------------------------------------------------------------------------------------------
@@ -252,6 +265,7 @@ def test_bench_shows_a_bar_over_rows_with_json_on_a_terminal(folder):
 # verify: table, legend, report -------------------------------------------------------------------
 
 def test_verify_prints_the_table_and_its_legend_and_writes_the_report(folder):
+    require_matplotlib()
     before = snapshot(folder)
     proc = run_cli([*QUICK_VERIFY, "--report", "report.html"], folder)
     no_traceback(proc)
@@ -273,6 +287,7 @@ def test_verify_prints_the_table_and_its_legend_and_writes_the_report(folder):
 
 
 def test_verify_report_combines_with_json(folder):
+    require_matplotlib()
     before = snapshot(folder)
     proc = run_cli([*QUICK_VERIFY, "--json", "--report", "r.html"], folder)
     no_traceback(proc)
@@ -301,6 +316,7 @@ def test_verify_report_without_matplotlib_is_exit_2_before_the_suite(folder, tmp
 
 
 def test_verify_report_in_a_missing_folder_is_exit_2(folder):
+    require_matplotlib()
     before = snapshot(folder)
     proc = run_cli([*QUICK_VERIFY, "--report", "/missing/dir/r.html"], folder)
     no_traceback(proc)
@@ -310,6 +326,7 @@ def test_verify_report_in_a_missing_folder_is_exit_2(folder):
 
 
 def test_report_marks_failures_nan_and_exact_results(tmp_path):
+    require_matplotlib()
     pytest.importorskip("matplotlib")
     from doracheck.cli.verify_cmd import write_report
     from doracheck.properties.results import CheckResult

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_run import doracheck_command, one_line, run_clean, snapshot
+from cli_run import doracheck_command, one_line, require_matplotlib, run_clean, snapshot
 from safetensors.torch import load_file, save_file
 
 LONG = "a" * 300  # longer than a file name may be: every stat of it fails with ENAMETOOLONG, as root too
@@ -90,11 +90,13 @@ SMALL = ((8, 16), (12, 8), (12,), (12, 16))
     (True, "s/adapter_config.json", "input files")])
 def test_audit_report_never_replaces_a_file_it_did_not_write(work, base, target, why):
     # refused before the audit: nothing on stdout, every file as it was (the base model too)
+    require_matplotlib()
     with_base = ["--base", "s/base_model.safetensors"] if base else []
     _refused(["audit", "s", *with_base, *AUDIT, "--report", target], work, why)
 
 
 def test_audit_report_replaces_only_its_own_earlier_report(work):
+    require_matplotlib()
     args = ["audit", "s", "--base", "s/base_model.safetensors", *AUDIT, "--report", "r.html"]
     assert run_clean(args, work).returncode == 0
     first = (work / "r.html").read_text()
@@ -110,6 +112,7 @@ def test_audit_report_replaces_only_its_own_earlier_report(work):
 @pytest.mark.parametrize("target,why", [("s/base_model.safetensors", "give a name ending in .html"),
                                         ("notes.html", "is not an HTML report written by doracheck")])
 def test_verify_report_never_replaces_a_file_it_did_not_write(work, target, why):
+    require_matplotlib()
     _refused(["verify", "--quick", "--dtype", "fp32", "--report", target], work, why)
 
 
@@ -212,6 +215,7 @@ def test_a_closed_stdout_is_a_quiet_exit_141(work, args):
 
 
 def test_report_draws_module_names_with_dollar_signs_as_text(tmp_path):
+    require_matplotlib()
     name = "model.layer$^^$.q_proj"  # mathtext would fail to parse this
     _adapter(tmp_path / "a", {name: SMALL})
     before = snapshot(tmp_path)
@@ -231,6 +235,7 @@ def test_report_draws_module_names_with_dollar_signs_as_text(tmp_path):
                                   ["audit", "s", "--report", f"{LONG}.html"], ["verify", "--quick", "--report", f"{LONG}.html"]],
                          ids=["adapter", "base", "config", "below", "sample", "audit-report", "verify-report"])
 def test_a_path_that_cannot_be_used_is_one_line(work, args):
+    require_matplotlib()
     _refused([*args, *(AUDIT if args[0] == "audit" else [])], work, "File name too long")
 
 
