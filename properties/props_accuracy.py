@@ -54,6 +54,9 @@ def a_priori_bound(budget, rho: float, kappa: float) -> float:
     return _field(budget, "rel_l2") * rho + (budget.cond_k or 0.0) * u("fp32") * kappa
 
 
+GRADCHECK_RTOL = 1e-6
+
+
 def gradcheck_fp64(impl: Implementation, family: str) -> list[CheckResult]:
     """torch.autograd.gradcheck in fp64 for x, A, B, m, b (detach_norm False) and x, m, b
     (detach_norm True: the norm is a constant there, so A and B are checked against the
@@ -73,6 +76,7 @@ def gradcheck_fp64(impl: Implementation, family: str) -> list[CheckResult]:
                 return impl.dora_linear(x, W, A0, B0, m, p.scaling, b, detach_norm=True)
 
             f = f_detached
+            names = ["x", "magnitude", "bias"]
             leaves = [t.detach().clone().requires_grad_() for t in (p.x, p.magnitude, bias)]
         else:
 
@@ -80,14 +84,55 @@ def gradcheck_fp64(impl: Implementation, family: str) -> list[CheckResult]:
                 return impl.dora_linear(x, W, A, B, m, p.scaling, b, detach_norm=False)
 
             f = f_exact
+            names = ["x", "lora_A", "lora_B", "magnitude", "bias"]
             leaves = [t.detach().clone().requires_grad_() for t in (p.x, p.lora_A, p.lora_B, p.magnitude, bias)]
         try:
-            ok = torch.autograd.gradcheck(f, tuple(leaves), raise_exception=False, eps=1e-6, atol=1e-8, rtol=1e-6)
+            ok = torch.autograd.gradcheck(f, tuple(leaves), raise_exception=False, eps=1e-6, atol=1e-8, rtol=GRADCHECK_RTOL)
         except Unsupported as exc:
             results.append(_na(prop, "fp64", str(exc)))
             continue
-        results.append(CheckResult(prop, "fp64", bool(ok), 0.0 if ok else 1.0, 0.0, 1, "gradcheck eps 1e-6, atol 1e-8, rtol 1e-6"))
+        detail, worst = "gradcheck eps 1e-6, atol 1e-8, rtol 1e-6", 0.0
+        if not ok:
+            worst, where = worst_gradient_entry(f, leaves, names)
+            detail = f"{detail}: {where}"
+        results.append(CheckResult(prop, "fp64", bool(ok), worst, GRADCHECK_RTOL, 1, detail))
     return results
+
+
+def worst_gradient_entry(f: Callable[..., torch.Tensor], leaves: list[torch.Tensor], names: list[str],
+                         eps: float = 1e-6) -> tuple[float, str]:
+    """Where a failed gradcheck fails: for each input, the analytic Jacobian (autograd) against
+    central differences of ``f``; (the largest error relative to the largest numerical entry of
+    that input's Jacobian, a line naming the input, the element, both values and that error)."""
+    inputs = tuple(t.detach().clone() for t in leaves)
+    worst: tuple[float, str] | None = None
+    for i, (name, t) in enumerate(zip(names, inputs)):
+
+        def of_one(v, i=i):
+            return f(*inputs[:i], v, *inputs[i + 1:])
+
+        try:
+            analytic = torch.autograd.functional.jacobian(of_one, t).reshape(-1, t.numel())
+        except Exception as exc:  # noqa: BLE001  (a backward that raises is the finding)
+            return math.inf, f"the gradient of {name} raised {type(exc).__name__}: {str(exc)[:120]}"
+        numerical = torch.empty_like(analytic)
+        flat = t.detach().reshape(-1)
+        with torch.no_grad():
+            for j in range(flat.numel()):
+                step = torch.zeros_like(flat)
+                step[j] = eps
+                plus, minus = of_one((flat + step).reshape(t.shape)), of_one((flat - step).reshape(t.shape))
+                numerical[:, j] = ((plus - minus) / (2 * eps)).reshape(-1)
+        error = (analytic - numerical).abs()
+        scale = max(float(numerical.abs().max()), 1e-12)
+        index = int(torch.nan_to_num(error, nan=float("inf")).argmax())
+        out, j = divmod(index, t.numel())
+        rel = float(error.reshape(-1)[index]) / scale
+        if worst is None or not rel <= worst[0]:  # NaN counts as worst
+            element = tuple(int(k) for k in torch.unravel_index(torch.tensor(j), t.shape))
+            worst = (rel, f"worst d{name}{list(element)} (output {out}): analytic {float(analytic.reshape(-1)[index]):.6g} "
+                           f"vs numerical {float(numerical.reshape(-1)[index]):.6g}, error {rel:.3g} of the largest entry")
+    return worst if worst is not None else (math.inf, "no inputs")
 
 
 def backward_vs_oracle(impl: Implementation, problems: list[Problem], family: str) -> list[CheckResult]:
