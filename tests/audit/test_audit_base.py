@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-from cli_run import one_line, run_cli, run_clean  # noqa: E402
+from cli_run import one_line, run_clean, run_cli  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
