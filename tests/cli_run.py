@@ -54,4 +54,4 @@ def one_line(proc: subprocess.CompletedProcess) -> str:
 
 def require_matplotlib() -> None:
     """Skip, saying why, where the optional report extra (matplotlib) is missing."""
-    pytest.importorskip("matplotlib", reason="the HTML report needs the report extra: pip install 'doracheck[report]'")
+    pytest.importorskip("matplotlib", reason="the HTML report needs matplotlib (the report extra)")

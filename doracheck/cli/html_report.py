@@ -88,7 +88,7 @@ def matplotlib_or_none() -> tuple[Any, str | None]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return None, "the HTML report needs matplotlib: pip install 'doracheck[report]'"
+        return None, "the HTML report needs matplotlib: pip install matplotlib"
     return plt, None
 
 

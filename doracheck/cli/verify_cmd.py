@@ -262,6 +262,6 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object (every result with its margin) instead of the table")
     p.add_argument("--report", metavar="FILE.html",
                    help="also write a self-contained HTML report to FILE.html: the table and a chart of the margins "
-                        "(needs matplotlib: pip install 'doracheck[report]'); combines with --json. Only a new file or "
+                        "(needs matplotlib: pip install matplotlib); combines with --json. Only a new file or "
                         "an earlier doracheck report is written; any other existing file is refused")
     p.set_defaults(run=run)

@@ -378,7 +378,7 @@ def test_report_without_matplotlib_exits_2_before_auditing(work):
     before = snapshot(work)
     proc = run_clean(["audit", "s", "--base", "s/base_model.safetensors", "--report", "r.html"], work, env=env)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert one_line(proc) == "doracheck audit: --report: the HTML report needs matplotlib: pip install 'doracheck[report]'"
+    assert one_line(proc) == "doracheck audit: --report: the HTML report needs matplotlib: pip install matplotlib"
     assert snapshot(work) == before
 
 
