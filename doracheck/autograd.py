@@ -2,11 +2,9 @@
 
 ``DoRALinearFunction`` (``dora_linear``, ``DoRALinear``) computes x·Wᵀ itself;
 ``DoRAFromBaseFunction`` (the PEFT integration) starts from a base output PEFT already has.
-Each chooses its backend once per call (``dispatch.backend_for``: fp64 -> torch twin), runs
-``forward.linear_forward`` / ``forward.from_base_forward``, keeps a ``Saved`` record, and its
-backward runs ``backward.layer_backward`` with that record; neither asks which backend it holds.
-Both run under ``numerics.our_numerics`` (autocast off inside, fp32 split-K reductions on CUDA).
-The math is in the docstrings of ``doracheck.forward`` and ``doracheck.backward``.
+Each picks its backend once per call (``dispatch.backend_for``), runs ``forward``, keeps a
+``Saved`` record for ``backward.layer_backward``, all under ``numerics.our_numerics``. The math
+is in the docstrings of ``doracheck.forward`` and ``doracheck.backward``.
 """
 
 from __future__ import annotations
@@ -26,24 +24,21 @@ _PARAM_NAMES = ("weight", "lora_A", "lora_B", "magnitude", "bias")
 
 def _held_on_ctx(t: torch.Tensor | None) -> bool:
     """Whether a parameter argument rides on the ctx rather than through ``save_for_backward``:
-    module parameters only (``nn.Parameter``, not an inference tensor). They live as long as
-    their module anyway; any other tensor (a weight dequantized or cast for this call) goes
-    through ``save_for_backward``, which frees it when the backward is done (a reference on the
-    ctx would keep it as long as the graph)."""
+    module parameters (``nn.Parameter``, not inference tensors), alive with their module anyway.
+    Any other tensor (a weight dequantized or cast for this call) is saved, so it is freed after
+    the backward (a ctx reference would keep it as long as the graph)."""
     return isinstance(t, torch.nn.Parameter) and not t.is_inference()
 
 
 def _save(ctx, saved: Saved, a: LayerArgs, lead: tuple) -> None:
     """Keep ``saved`` and the parameters for the backward.
 
-    Activations go through ``save_for_backward`` (so through saved-tensor hooks, such as
-    activation checkpointing's: three Python calls per tensor and step). In eager, module
-    parameters ride on the ctx with their version counters, checked by ``_restore`` as autograd
-    checks saved tensors: they are alive anyway, and a hook would only pack, recompute and
-    unpack them again (5 hook-packed tensors per call for a PEFT layer instead of 10). Other
-    tensors passed as parameters, and everything while torch.compile traces (the form it
-    supports), go through ``save_for_backward``. ``n_safe`` is kept only for the exact-norm
-    backward, the one that reads it."""
+    Activations go through ``save_for_backward`` (and saved-tensor hooks such as activation
+    checkpointing's: three Python calls per tensor and step). In eager, module parameters ride
+    on the ctx with their version counters, checked by ``_restore`` as autograd checks saved
+    tensors: a hook would only pack and unpack them again (5 hook-packed tensors per PEFT layer
+    call instead of 10). While torch.compile traces everything is saved (the form it supports).
+    ``n_safe`` is kept only for the exact-norm backward, which reads it."""
     tensors = tuple(saved[:SAVED_TENSORS])
     if a.detach_norm:
         tensors = tensors[:6] + (None,) + tensors[7:]
@@ -58,8 +53,7 @@ def _save(ctx, saved: Saved, a: LayerArgs, lead: tuple) -> None:
 
 
 def _check_versions(ctx) -> None:
-    """Refuse parameters held on the ctx that were written in place since the forward (as
-    autograd refuses saved tensors)."""
+    """Refuse ctx-held parameters written in place since the forward (as autograd does)."""
     for name, t, version in zip(_PARAM_NAMES, ctx.params, ctx.param_versions):
         if t is not None and t._version != version:
             raise RuntimeError(
@@ -100,10 +94,9 @@ class DoRALinearFunction(torch.autograd.Function):
 
 
 def dora_linear_autograd(x, weight, lora_A, lora_B, magnitude, scaling, bias, keep_mask, dropout_p, detach_norm, fan_in_fan_out):
-    """Apply ``DoRALinearFunction`` (arguments already validated, ``scaling`` a float); without
-    autograd, the forward alone. Under autocast, x is first cast to autocast's dtype (an
-    autograd op, as ``F.linear`` does there), so the GEMMs run and y is returned in that dtype,
-    while the norm, g and the adapter gradients keep the parameters' dtypes."""
+    """Apply ``DoRALinearFunction`` (arguments validated, ``scaling`` a float); without autograd,
+    the forward alone. Under autocast x is first cast to autocast's dtype (as ``F.linear``), so
+    the GEMMs and y use it, while the norm, g and the adapter gradients keep the parameters'."""
     cast_to = autocast_dtype(x)
     if cast_to is not None and x.dtype != cast_to:
         x = x.to(cast_to)
@@ -128,21 +121,18 @@ class DoRAFromBaseFunction(torch.autograd.Function):
     extra x_d·Wᵀ GEMM, z_d saved.
 
     ``result_is_base=True`` (the first active adapter: result = x·Wᵀ + b exactly): ``result``
-    is rewritten in place (marked dirty), so the layer adds no T×d_out buffer and runs no
-    second x·Wᵀ, and the backward returns the whole dx = dz·W + s·(dz·B)·A itself and no
-    gradient to ``result``, so the base layer's own backward (another d_out×d_in GEMM) never
-    runs. Only for frozen W (the caller checks).
+    is rewritten in place (marked dirty): no T×d_out buffer, no second x·Wᵀ, and the backward
+    returns the whole dx = dz·W + s·(dz·B)·A and no gradient to ``result``, so the base layer's
+    backward (another d_out×d_in GEMM) never runs. Only for frozen W (the caller checks).
 
-    While torch.compile traces, y is a new tensor either way (``in_place=False``): a compiled
-    region whose input ``result`` an autograd Function rewrites in place (marked dirty) was
-    seen to train a different model (the variant's forward compiled as a frame of its own,
-    after PEFT's Linear.forward had been skipped by an earlier compile).
+    While torch.compile traces, y is a new tensor (``in_place=False``): a compiled region whose
+    input ``result`` a Function marks dirty was seen to train a different model (the variant's
+    forward compiled as its own frame after an earlier compile skipped PEFT's Linear.forward).
 
     ``result_is_base=False`` (result carries an earlier adapter's output too): y is a new
     tensor (the earlier adapter may have saved ``result``), ``result`` gets its gradient
     (g⊙dy; dy with dropout), dx only this adapter's own terms, and a trainable bias the part
-    this adapter adds: Σ_t (1-g)⊙dy (nothing with dropout).
-    """
+    this adapter adds: Σ_t (1-g)⊙dy (nothing with dropout)."""
 
     @staticmethod
     def forward(ctx, result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask=None, dropout_p=0.0,
@@ -200,10 +190,8 @@ def _through_result(dy2: torch.Tensor, saved: Saved, db: torch.Tensor | None):
 
 def dora_from_base(x, result, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out=False, keep_mask=None, dropout_p=0.0,
                    result_is_base=True, n_safe=None):
-    """``DoRAFromBaseFunction``: y = g⊙(result - b + s·(x·Aᵀ)·Bᵀ) + b (with a bool ``keep_mask``:
-    PEFT's dropout form, see the class), written into ``result`` when ``result_is_base`` (it
-    is x·Wᵀ + b exactly) and nothing traces, else into a new tensor. Returns y. ``scaling``
-    is a float (the caller converts it once). ``n_safe``: max(n, eps) from an armed
+    """y of ``DoRAFromBaseFunction`` (see the class), into ``result`` when ``result_is_base`` and
+    nothing traces. ``scaling``: a float. ``n_safe``: max(n, eps) from an armed
     ``inference_norms`` buffer, used only where autograd records nothing."""
     in_place = result_is_base and not tracing()
     if not _records(result, x, lora_A, lora_B, magnitude, bias):

@@ -12,13 +12,12 @@ With ``detach_norm=False`` and c_i = (∂L/∂n_i)/n_i = -S_i·m_i/n_i³ (S = Σ
 No dense B·A is formed for the adapter gradients; dW is dense by nature.
 
 Order ("merged": dx = dz·W' with W' = W + s·B·A formed again) and chunking come from the
-planner's variant, saved by the forward. Over token chunks (settings ``backward_token_chunk``)
-without dropout, in fp32, and in bf16 where a GEMM can write its fp32 accumulator (CUDA),
-what does not need dz itself is formed once over all tokens from dy and g ("prescaled"):
-dz·B = dy·(g⊙B) (T×r), dB = s·diag(g)·(dyᵀ·xa) (fp32 GEMM output, scaled and rounded once),
-dx = s·(dz·B)·A to start from; two ops a chunk are left (the dz/dm pass, dx += dz·W). fp16
-would overflow g⊙B where dz stays finite, so there (and with dropout) dz·B and dB are
-accumulated chunk by chunk. The dm partials of all chunks are summed once, in order, at the end.
+planner's variant, saved by the forward. Over token chunks (``backward_token_chunk``) without
+dropout, in fp32, and in bf16 where a GEMM can write fp32 (CUDA), what does not need dz is
+formed once over all tokens ("prescaled"): dz·B = dy·(g⊙B) (T×r), dB = s·diag(g)·(dyᵀ·xa)
+(fp32 GEMM output, scaled and rounded once), dx = s·(dz·B)·A; two ops a chunk remain (the
+dz/dm pass, dx += dz·W). In fp16 g⊙B would overflow where dz stays finite, so there (and with
+dropout) dz·B and dB accumulate chunk by chunk. The dm partials are summed once, in order.
 """
 
 from __future__ import annotations
@@ -40,10 +39,9 @@ _ZEROS: dict = {}
 
 
 def _zero_scalar(like: torch.Tensor) -> torch.Tensor:
-    """A 0-dim zero of ``like``'s dtype and device, made once (it is only an ignored addend).
-    Only for plain tensors outside any tracing (a fake or functional tensor cached here would
-    break every later eager call) and outside CUDA-graph capture (where the fill is recorded,
-    not run)."""
+    """A 0-dim zero of ``like``'s dtype and device, made once (an ignored addend). Only for
+    plain tensors outside tracing (a cached fake or functional tensor would break later eager
+    calls) and outside CUDA-graph capture (where the fill is recorded, not run)."""
     if type(like) is not torch.Tensor or tracing():
         return like.new_zeros(())
     key = (like.dtype, like.device)
@@ -136,10 +134,8 @@ def _setup(saved: Saved, dy: torch.Tensor, a: LayerArgs, need: Need, base_in_dx:
     dy2 = in_dtype(dy.reshape(T, d_out), cd).contiguous()  # T from x: with d_out = 0, -1 would be ambiguous
     W, A, B = in_dtype(rows(a.weight, a.fan_in_fan_out), cd), in_dtype(a.lora_A, cd), in_dtype(a.lora_B, cd)
     variant = saved.variant
-    # Traced, one chunk: a loop over token chunks makes the graph's structure depend on T, so a
-    # symbolic T (dynamic shapes: a second sequence length, or dynamic=True) would be specialized,
-    # a recompile per length (dynamo reports a symbolic T as an int, so it cannot be told apart);
-    # a compiled graph's buffers are Inductor's to plan.
+    # Traced, one chunk: a chunk loop would specialize a symbolic T (dynamo reports it as an
+    # int), a recompile per sequence length; a compiled graph's buffers are Inductor's to plan.
     chunked = variant.chunked and not tracing()
     step = backward_token_chunk(T, d_out, dy2.element_size()) if chunked else max(T, 1)
     xa = saved.xa
@@ -238,10 +234,9 @@ def _chunk(p: _Pass, t0: int, t1: int) -> None:
 
 
 def _finished_in_one_pass(p: _Pass) -> bool:
-    """Whether dm is formed by the backend's ``dm_finish`` straight from the dz/dm pass's partials
-    (the detached norm, z read from the output: the common training call). One launch then sums
-    the partials, recomputes the lost features and rounds to m's dtype: three host operations
-    fewer a layer (a sum, the lost-row launch, the cast) on the host-bound step."""
+    """Whether ``dm_finish`` forms dm straight from the dz/dm pass's partials (detached norm, z
+    read from the output: the common training call): one launch instead of three host ops a
+    layer (the sum, the lost-row launch, the cast) on the host-bound step."""
     T, d_out = p.dy2.shape
     return p.a.detach_norm and p.saved.from_output and p.need.dm and T > 0 and d_out > 0
 
@@ -305,9 +300,8 @@ def _exact_norm_terms(p: _Pass, raw: Any, dA, dB, dW_rows):
 
 def layer_backward(saved: Saved, dy: torch.Tensor, a: LayerArgs, lead: tuple, need: Need, base_in_dx: bool = True) -> Grads:
     """dx, dW, dA, dB, dm, db of the module docstring for upstream ``dy``. ``base_in_dx=False``
-    (a from-base layer whose ``result`` is not x·Wᵀ + b: it carries another adapter's output)
-    leaves out of dx the term through the base output (dz·W, or dy·W with dropout): that
-    gradient reaches x through ``result`` instead."""
+    (a from-base ``result`` that carries another adapter's output) leaves the base output's term
+    (dz·W, or dy·W with dropout) out of dx: it reaches x through ``result``."""
     p = _setup(saved, dy, a, need, base_in_dx)
     T, d_out = p.dy2.shape
     acc, dev, d_in, r = p.acc, saved.x2.device, saved.x2.shape[1], p.A.shape[0]
@@ -334,8 +328,7 @@ def layer_backward(saved: Saved, dy: torch.Tensor, a: LayerArgs, lead: tuple, ne
     if not a.detach_norm:
         dA, dB, dW_rows = _exact_norm_terms(p, raw, dA, dB, dW_rows)
     dW = None if dW_rows is None else in_dtype(dW_rows.t() if a.fan_in_fan_out else dW_rows, a.weight.dtype)
-    # in_dtype: a same-dtype ``.to`` is a no-op that still costs a dispatcher call (each a few µs
-    # of host time on the H200 host, three per layer and step)
+    # in_dtype: a same-dtype ``.to`` still costs a dispatcher call (a few µs of host time each)
     return Grads(
         p.dx2.reshape(*lead, d_in) if p.dx2 is not None else None,
         dW,

@@ -72,15 +72,11 @@ def _interpreting() -> bool:
 
 
 def choose_path(device: torch.device) -> PathChoice:
-    """Decide the implementation for tensors on ``device``.
-
-    auto: Triton on CUDA when triton imports; the torch path otherwise. Forcing "triton"
-    (``use_path`` or DORACHECK_PATH) also works for CPU tensors under TRITON_INTERPRET=1,
-    which is how CI exercises the kernels without a GPU.
-    """
+    """The implementation for tensors on ``device``. auto: Triton on CUDA when triton imports,
+    else torch. Forcing "triton" (``use_path`` or DORACHECK_PATH) also works for CPU tensors
+    under TRITON_INTERPRET=1, which is how CI runs the kernels without a GPU."""
     if torch.compiler.is_compiling():
-        # Inside torch.compile the decision is the automatic one (overrides are Python state
-        # that Dynamo does not trace; they apply to eager calls).
+        # Automatic: overrides are Python state Dynamo does not trace (they apply to eager calls).
         name = "triton" if device.type == "cuda" and _HAS_TRITON else "torch"
         return PathChoice(name, "torch.compile: automatic choice")
     forced = _forced_path()
@@ -109,13 +105,9 @@ def describe_path(device: torch.device | str) -> PathChoice:
     return choose_path(torch.device(device))
 
 
-# --- the backend of a call ------------------------------------------------------------------
-
-
 def backend_for(*tensors: torch.Tensor | None) -> Backend:
-    """The backend that runs one call on ``tensors`` (None entries ignored), decided once:
-    the torch twin when any tensor is fp64 (gradcheck and the oracles' callers), else the
-    path ``choose_path`` gives for the first tensor's device."""
+    """The backend of one call on ``tensors`` (None ignored): the torch twin when any is fp64
+    (gradcheck, the oracles' callers), else ``choose_path`` for the first tensor's device."""
     first = None
     for t in tensors:  # a loop, not comprehensions: this runs once per layer call
         if t is not None:
@@ -133,9 +125,8 @@ def backend_for(*tensors: torch.Tensor | None) -> Backend:
 
 
 def _plain_cuda_triton(device: torch.device) -> bool:
-    """The common case of ``choose_path`` answered without building its reason: CUDA tensors,
-    triton present, nothing forced, not tracing (one environment read; about 1 µs instead of 2.6
-    on a 2-core AMD EPYC). False means "ask ``choose_path``", not "torch"."""
+    """``choose_path``'s common case without building its reason: CUDA, triton, nothing forced,
+    not tracing (about 1 µs instead of 2.6 on a 2-core AMD EPYC). False means "ask", not "torch"."""
     # is_compiling first: Dynamo cannot trace ContextVar.get, and a graph break in every layer
     # made compiled decode 7x slower (H200: 41.7 against 278.5 tok/s).
     return (device.type == "cuda" and _HAS_TRITON and not torch.compiler.is_compiling() and not _PATH_OVERRIDE.get()

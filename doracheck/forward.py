@@ -8,18 +8,17 @@ With x_d = dropout(x) (x_d = x without dropout) and the compute dtype c = x.dtyp
 
 ``linear_forward`` computes base itself (``dora_linear``); ``from_base_forward`` starts from a
 base output a caller already has (PEFT's LoRA Linear, ``result`` = x·Wᵀ + b). Every kernel is
-the backend's (``doracheck.kernels.backends``); nothing here asks which backend it holds.
+the backend's (``doracheck.kernels.backends``).
 
 What is kept for the backward (``Saved``; the caller's x is referenced, not copied):
-- without dropout and bias, where the backend allows it: the output y itself (g⊙z = y; the
-  next layer usually holds it anyway) and xa (T×r), so no T×d_out tensor is added (saving z
-  would add 64 MiB at T = 4096, d_out = 8192 in bf16, for no speed gain); where m_i = 0 the
-  backward recomputes those features (``dm_finish``);
-- with a bias, z (recovering z from y - b loses digits in proportion to |b|/|g·z|, which the
-  baseline-ratio property caught in fp16);
+- without dropout and bias, where the backend allows it: y itself (g⊙z = y; the next layer
+  usually holds it anyway) and xa (T×r): no T×d_out tensor added (z would add 64 MiB at
+  T = 4096, d_out = 8192 in bf16, for no speed gain); the backward recomputes features with
+  m_i = 0 (``dm_finish``);
+- with a bias, z (z from y - b loses digits in proportion to |b|/|g·z|; the baseline-ratio
+  property caught it in fp16);
 - with dropout, z_d = base_d + s·lora and the bool keep-mask (x_d is recomputed from x and it).
-Without autograd (no_grad, or nothing requires grad) only y is formed: ``need_saved=False``,
-and g = m / max(n, eps) is formed inside the compose.
+Without autograd only y is formed (``need_saved=False``), g = m / max(n, eps) inside the compose.
 """
 
 from __future__ import annotations
@@ -57,10 +56,10 @@ def norm_with_floor(backend: Backend, weight, lora_A, lora_B, scaling: float, fa
 
 
 def norm_and_scale(backend: Backend, a: LayerArgs, *, need_g: bool, recording: bool):
-    """(FactoredNorm, g = m / max(n, eps) or None, max(n, eps)). With the detached norm, the norm
-    and max(n, eps) are computed or reused as ``norm_rule`` decides (``recording``: autograd
-    records this forward); g is formed from them at every call. ``need_g=False``: the compose
-    divides m by max(n, eps) itself. The exact-norm mode also needs U and G and is not reused."""
+    """(FactoredNorm, g = m / max(n, eps) or None, max(n, eps)). With the detached norm, n and
+    max(n, eps) are reused as ``norm_rule`` decides (``recording``: autograd records this
+    forward), g formed at every call (``need_g=False``: by the compose). The exact-norm mode
+    also needs U and G and is never reused."""
     if a.detach_norm:
 
         def compute():
@@ -141,11 +140,10 @@ def _write(r2: torch.Tensor, y: torch.Tensor) -> None:
 def from_base_forward(result: torch.Tensor, x: torch.Tensor, a: LayerArgs, keep_mask: torch.Tensor | None, backend: Backend, *,
                       need_saved: bool, in_place: bool = True, result_is_base: bool = True, n_safe: torch.Tensor | None = None):
     """(y, Saved or None) for ``dora_from_base``: y = b + g⊙(result - b + s·(x·Aᵀ)·Bᵀ), or
-    with dropout y = result + (g-1)⊙(x_d·Wᵀ) + g⊙s⊙(x_d·Aᵀ)·Bᵀ; written into ``result`` when
-    ``in_place``, else into a new tensor. The output may stand for z only where ``result`` is
-    x·Wᵀ exactly (``result_is_base``): the lost-row pass recomputes z from x and W.
-    ``n_safe``: max(n, eps) already at hand (an armed ``inference_norms`` buffer), used only
-    when nothing is saved for a backward."""
+    with dropout y = result + (g-1)⊙(x_d·Wᵀ) + g⊙s⊙(x_d·Aᵀ)·Bᵀ; into ``result`` when
+    ``in_place``, else a new tensor. The output may stand for z only where ``result`` is x·Wᵀ
+    exactly (``result_is_base``): the lost-row pass recomputes z from x and W. ``n_safe``: an
+    armed ``inference_norms`` max(n, eps), used only when nothing is saved."""
     cd, d_out = result.dtype, result.shape[-1]
     bias = _contiguous_bias(a.bias)
     x2 = in_dtype(x.reshape(-1, x.shape[-1]), cd)

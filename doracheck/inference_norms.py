@@ -1,27 +1,25 @@
 """The norm rule applied to a whole model before a forward without grad mode, so that compiled
 inference and decode read each layer's norm instead of recomputing it.
 
-Under torch.compile a Python-side lookup is not consulted (docs/design.md section 6): a compiled
-decode step would recompute every layer's norm for every token. ``attach(layers, entry_points)``
+torch.compile does not consult a Python-side lookup (docs/design.md section 6), so a compiled
+decode step would recompute every layer's norm per token. ``attach(layers, entry_points)``
 (``integrations.peft.enable``) gives every accelerated (module, adapter) a ``NormSlot`` and hooks
 the entry points: the PEFT model (outer) and the base model its ``generate`` calls (inner).
 
 - Before a forward of an entry point without grad mode, ``_prepare`` brings each slot's
-  max(n, eps) (fp32, kept in the layer's ``ModuleState``, not in ``state_dict``) up to date by
-  ``norm_rule`` (the same stamp, era and lookup as every other path) and *arms* the layer; with
-  grad mode, after a backward (until the next era), under FSDP2 or while tracing it disarms them.
-  The post-hook disarms them again (Python's ``KeyboardInterrupt`` skips it: then the next eager
-  call of either entry point, or the next era end, does).
-- ``generate`` is wrapped so that one call prepares once and stays armed until it returns: no
-  forward of it trains, and per-token checks would break the compiled decode step's graph.
+  max(n, eps) (fp32, in the layer's ``ModuleState``, not in ``state_dict``) up to date by
+  ``norm_rule`` (same stamp, era and lookup as every other path) and *arms* the layer; with grad
+  mode, after a backward (until the next era), under FSDP2 or while tracing it disarms them. The
+  post-hook disarms them (``KeyboardInterrupt`` skips it: the next eager call or era end does).
+- ``generate`` prepares once per call and stays armed until it returns (``_generate``).
 - An armed layer reads max(n, eps) from its state (eager and compiled; Dynamo guards on the
-  flag). When the base model's ``__call__`` alone is compiled (transformers does that for a
-  static cache) its hooks run eagerly around the compiled body; when the outer model is traced
-  nothing is armed and that graph computes its norms. A slot whose tensors are not the layer's
-  2-D matrices (sharded, offloaded to meta, inference tensors) leaves its layer unarmed.
+  flag). When only the base model's ``__call__`` is compiled (transformers, for a static cache)
+  its hooks run eagerly around the compiled body; when the outer model is traced nothing is
+  armed and that graph computes its norms. A slot whose tensors are not the layer's 2-D
+  matrices (sharded, offloaded to meta, inference tensors) leaves its layer unarmed.
 
-Writes the rule cannot see are the rule's: ``param.data`` edits between two inference calls, or
-from inside a ``generate`` call (a streamer that edits weights): call ``clear_norm_cache()``.
+Writes the rule cannot see (``param.data`` edits between inference calls, or inside ``generate``
+by a streamer that edits weights) need ``clear_norm_cache()``.
 """
 
 from __future__ import annotations
@@ -46,10 +44,10 @@ class ModuleState:
     """What doracheck keeps on a module it touches, under the one attribute ``_doracheck``.
 
     On a routed PEFT LoRA layer: ``originals`` (adapter -> PEFT's own variant, for ``disable``),
-    ``norms`` (adapter -> max(n, eps), fp32 (d_out,)), ``armed`` (the model's pre-hook brought
-    ``norms`` up to date for this forward). On an entry point: ``holder`` (shared with the
-    model's other entry point), ``role`` ("outer" or "inner"), ``hooks``, and the ``generate``
-    the instance had before ``attach`` (``user_generate``; ``wrapped`` when ours is installed)."""
+    ``norms`` (adapter -> max(n, eps), fp32 (d_out,)), ``armed`` (``norms`` is current for this
+    forward). On an entry point: ``holder`` (shared with the other entry point), ``role`` ("outer"
+    or "inner"), ``hooks``, ``user_generate`` (the instance's own, before ``attach``) and
+    ``wrapped`` (ours is installed)."""
 
     def __init__(self) -> None:
         self.originals: dict = {}
@@ -71,11 +69,9 @@ def state_of(module: nn.Module) -> ModuleState:
 
 
 def _find_holders(module: nn.Module, adapter: str) -> tuple | None:
-    """Weak references to (the chain base_layer -> ... -> the base layer below ``module``,
-    lora_A[adapter], lora_B[adapter]), or None when the adapter is gone. The chain follows
-    registered ``base_layer`` submodules (PEFT's ``get_base_layer`` follows any attribute of
-    that name; a tuner layer registers it as a submodule). Weak, so that a replaced base layer
-    and its W are freed at once, not kept until the next forward without grad mode."""
+    """Weak references to (the chain of registered ``base_layer`` submodules below ``module``,
+    lora_A[adapter], lora_B[adapter]), or None when the adapter is gone. Weak, so that a
+    replaced base layer and its W are freed at once, not at the next forward without grad."""
     chain: list[Any] = []
     below: Any = module
     while "base_layer" in below._modules:
@@ -92,8 +88,7 @@ def _find_holders(module: nn.Module, adapter: str) -> tuple | None:
 
 def _still_held(module: nn.Module, adapter: str, holders: tuple) -> tuple | None:
     """(base layer, lora_A module, lora_B module) when the modules ``_find_holders`` saw are
-    still where ``module`` keeps them, else None (a replaced base layer, lora_A or lora_B, or a
-    wrapper added below, is seen)."""
+    still where ``module`` keeps them, else None (one was replaced, or a wrapper added below)."""
     chain, A_ref, B_ref = holders
     outer: Any = module
     for ref in chain:
@@ -127,13 +122,11 @@ class NormSlot:
         return {**self.__dict__, "stamp": None, "_holders": None}
 
     def _tensors(self):
-        """(W, A, B) as the module holds them now, or None once the adapter is gone.
-
-        Called for every slot before every forward without grad mode (each decode token), so
-        the modules that hold W, A and B are remembered and only checked to still be where the
-        layer keeps them: a few dict lookups instead of PEFT's ``get_base_layer()`` and
-        ``Module.__getattr__``. With ``refresh`` comparing its stamp before any other check, the
-        check of 28 layers takes about 60 µs per forward on a 2-core AMD EPYC instead of 170."""
+        """(W, A, B) as the module holds them now, or None once the adapter is gone. Runs for
+        every slot before each forward without grad (each decode token), so the holding modules
+        are remembered and re-checked by dict lookups, not PEFT's ``get_base_layer()``: with
+        ``refresh`` comparing its stamp first, 28 layers take about 60 µs per forward on a
+        2-core AMD EPYC instead of 170."""
         held = None if self._holders is None else _still_held(self.module, self.adapter, self._holders)
         if held is None:
             self._holders = _find_holders(self.module, self.adapter)
@@ -149,16 +142,14 @@ class NormSlot:
             return None
 
     def refresh(self, era: int) -> bool:
-        """Bring the slot's max(n, eps) up to date by ``norm_rule`` (its stamp, the era and the
-        path as when last computed: nothing to do). False when the adapter is gone or the tensors
-        are not the layer's matrices (sharded, offloaded, inference tensors)."""
+        """Bring the slot's max(n, eps) up to date by ``norm_rule`` (same stamp, era and path:
+        nothing to do). False when the adapter is gone or the tensors are not the layer's."""
         tensors = self._tensors()
         if tensors is None:
             return False
         W, A, B = tensors
         if W.dim() != 2 or A.dim() != 2 or B.dim() != 2 or W.is_meta or A.is_meta or B.is_meta:
-            # Meta: offloaded (accelerate's device_map to "cpu"/"disk"); the layer's own hook loads
-            # the weights inside the forward and the layer computes its norm itself.
+            # Meta: offloaded by accelerate; its hook loads the weights inside the forward.
             return False
         module = self.module
         fan_in_fan_out = bool(getattr(module, "fan_in_fan_out", False))
@@ -184,9 +175,8 @@ class NormSlot:
         with our_numerics(W.device.type):
             _, n_safe = norm_rule.lookup_or_compute(W, A, B, s, fan_in_fan_out, compute, recording=False, tag=backend.name)
         if buffer is None or buffer.shape != n_safe.shape or buffer.dtype != n_safe.dtype or buffer.device != n_safe.device:
-            # First use, or the model moved or cast by .to(). Made outside inference mode, so that a
-            # buffer first filled under torch.inference_mode() can still be rewritten under no_grad;
-            # marked static so that CUDA-graph replays of a compiled decode step read it in place.
+            # First use, or moved/cast by .to(). Made outside inference mode so no_grad can rewrite
+            # it; static so that CUDA-graph replays of a compiled decode step read it in place.
             with torch.inference_mode(False):
                 buffer = torch.empty(n_safe.shape, dtype=n_safe.dtype, device=n_safe.device)
             if buffer.is_cuda:
@@ -258,11 +248,10 @@ def _finish(holder: _Holder) -> None:
 
 
 def _generating_here(holder: _Holder) -> bool:
-    """Whether this forward runs inside one of the model's ``generate`` calls: then it was
-    prepared once for the whole call. Eager: this thread's own call only (another thread's
-    forward decides for itself, so it sees writes made meanwhile). Traced: the bool (Dynamo
-    guards on it; it cannot trace thread ids), so a compiled forward traced by another thread
-    during a generate call is prepared by that call, not by itself."""
+    """Whether this forward runs inside one of the model's ``generate`` calls (prepared once
+    for it). Eager: this thread's own call only (other threads' forwards see writes made
+    meanwhile). Traced: the bool (Dynamo cannot trace thread ids), so a forward another thread
+    traces during a generate call is prepared by that call."""
     return holder.generating and (torch.compiler.is_compiling() or threading.get_ident() in holder.generating_threads)
 
 
@@ -272,11 +261,8 @@ def _before(model: nn.Module, args) -> None:
     if holder is None or _generating_here(holder):  # inside generate: prepared once for the whole call
         return
     if torch.compiler.is_compiling():
-        # Traced. The outer model traced (torch.compile(peft_model), fullgraph or not): no
-        # graph break anywhere, nothing armed, the graph computes the norms. The inner model
-        # traced on its own (transformers compiles its __call__ for a static cache): a graph
-        # break, and _prepare runs eagerly before the compiled body.
-        # (Not skipped when an earlier forward was left prepared, by Ctrl-C: decided again.)
+        # Outer model traced: no graph break, nothing armed, the graph computes the norms. Inner
+        # model traced alone (static cache): a graph break, _prepare runs eagerly before it.
         if state.role == "outer":
             holder.outer_traced = True
             return
@@ -299,8 +285,8 @@ def _after(model: nn.Module, args, output) -> None:
 
 @torch.compiler.disable
 def _begin_generation(model: nn.Module, holder: _Holder) -> None:
-    """The first ``generate`` call under way prepares (as a forward without grad mode would:
-    generate runs its forwards under no_grad) and holds the layers armed until the last one ends."""
+    """The first ``generate`` call under way prepares (as a no_grad forward) and holds the
+    layers armed until the last one ends."""
     with _lock:
         if holder.generations == 0:
             with torch.no_grad():
@@ -327,20 +313,16 @@ def _end_generation(holder: _Holder) -> None:
 
 
 def _generate(self: nn.Module, *args, **kwargs):
-    """``generate`` of an entry point, prepared once for the whole call (``attach`` puts this,
-    bound to the entry point, in the instance's ``__dict__``, so it is found before the class's
-    ``generate``).
+    """``generate`` of an entry point, prepared once for the whole call (``attach`` binds it in
+    the instance's ``__dict__``, found before the class's ``generate``).
 
-    Per forward, the check costs host time between two graph breaks when transformers compiles
-    the base model's ``__call__`` for a static cache (its hooks break the graph), once per
-    decode token: on an H200 host that held compiled decode at 0.77x compiled
-    PEFT LoRA's tokens/s while the kernels took 5% longer than LoRA's. Within one ``generate``
-    call nothing trains and no forward with grad mode runs, so the buffers checked at its start
-    stay valid: the hooks do nothing until it returns, and the compiled decode step has no
-    graph break. A write to the adapters from inside the call (a streamer or logits processor
-    that edits weights) is not seen unless it ends the era (``doracheck.clear_norm_cache()``:
-    the layers are then disarmed and compute their own norms). Forwards of other threads
-    meanwhile prepare for themselves (eager ones; see ``_generating_here``)."""
+    A check per forward costs host time between two graph breaks (the hooks) once per decode
+    token when transformers compiles the base model's ``__call__``: on an H200 host compiled
+    decode ran at 0.77x compiled PEFT LoRA's tokens/s while the kernels took 5% longer than
+    LoRA's. Nothing in one call trains, so the buffers checked at its start stay valid and the
+    hooks do nothing until it returns. A write from inside the call is seen only if it ends
+    the era (``clear_norm_cache()`` disarms the layers). Other threads' eager forwards prepare
+    for themselves (``_generating_here``)."""
     state = self.__dict__.get(STATE)
     holder = None if state is None else state.holder
     original = None if state is None else state.user_generate
@@ -383,8 +365,8 @@ def attach(layers: list[tuple[nn.Module, str]], entry_points: list[nn.Module]) -
         state.role = "outer" if i == 0 else "inner"
         state.hooks = (entry.register_forward_pre_hook(_before), entry.register_forward_hook(_after, always_call=True))
         if callable(getattr(type(entry), "generate", None)) or callable(entry.__dict__.get("generate")):
-            # A partial of a module-level function: copy.deepcopy binds it to the copy, pickle
-            # stores the function by name (a bound method would be looked up as ``entry._generate``).
+            # A partial of a module-level function: deepcopy binds it to the copy, pickle stores it
+            # by name (a bound method would be looked up as ``entry._generate``).
             if "generate" in entry.__dict__:
                 state.user_generate = entry.__dict__["generate"]
             entry.__dict__["generate"] = functools.partial(_generate, entry)

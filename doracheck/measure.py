@@ -1,10 +1,9 @@
 """Measuring the layer, above it: the planner's candidates timed side by side, and the rows
 ``doracheck bench`` prints (docs/design.md section 5).
 
-The planner predicts from a cost model and imports the layer only to time it: timed planning
-calls ``measure_variants`` from here (imported by ``planner.plan`` when first needed). Times follow ``doracheck.timing``: warm-up,
-then CUDA events (the host clock on a CPU), medians over samples of back-to-back calls;
-``measure_variant_spread`` gives the 10th and 90th percentiles of the samples beside them.
+Timed planning calls ``measure_variants`` (``planner.plan`` imports it when first needed). Times
+follow ``doracheck.timing``: warm-up, then CUDA events (the host clock on a CPU), medians over
+samples of back-to-back calls; ``measure_variant_spread`` adds the 10th and 90th percentiles.
 """
 
 from __future__ import annotations
@@ -37,12 +36,10 @@ class Spread(NamedTuple):
 def measure_variants(variants: list[Variant], d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype,
                      training: bool, device: torch.device | str = "cuda", rounds: int = 15, *, dropout: bool = False,
                      detach_norm: bool = True, with_linear: bool = False) -> dict[str, float]:
-    """Median ms of one call of ``dora_linear`` under each variant, measured side by side
-    (``timing.time_interleaved``: round-robin, back-to-back calls per sample) on one set of
-    random, non-zero inputs; the norm cache is warm, as in a step. ``training``: forward and
-    backward with every input but W requiring grad; ``dropout``: p = 0.1 in training mode.
-    ``with_linear`` adds "nn.Linear", the plain layer on the same x and W, to the same rounds.
-    ``measure_variant_spread`` measures the same way and keeps the quantiles too."""
+    """Median ms of one ``dora_linear`` call under each variant, side by side
+    (``timing.time_interleaved``) on one set of random non-zero inputs, norm cache warm as in a
+    step. ``training``: forward and backward, every input but W requiring grad; ``dropout``:
+    p = 0.1 in training mode; ``with_linear`` adds "nn.Linear" on the same x and W."""
     spread = measure_variant_spread(variants, d_in, d_out, r, tokens, dtype, training, device, rounds, dropout=dropout,
                                     detach_norm=detach_norm, with_linear=with_linear)
     return {name: s.median for name, s in spread.items()}
@@ -113,9 +110,8 @@ def bench_row(device: torch.device, device_name: str, d_in: int, d_out: int, r: 
               reps: int, *, with_plan: bool = False, timed: bool = False) -> dict:
     """One row of ``doracheck bench``: nn.Linear and doracheck (the planner's variant on a GPU,
     the default elsewhere), or with ``with_plan`` every candidate predicted against measured,
-    the cost model's pick and the fastest; ``timed`` adds the timing mode's own pick, made from
-    a fresh measurement and judged on this row's. Times are medians (``*_ms``) with the 10th
-    and 90th percentiles of the ``reps`` samples (``*_p10_ms``, ``*_p90_ms``)."""
+    the cost model's pick and the fastest; ``timed`` adds the timing mode's pick (from its own
+    measurement, judged on this row's). Medians ``*_ms``, percentiles ``*_p10_ms``, ``*_p90_ms``."""
     training = mode == "train"
     row: dict[str, Any] = {"device": device_name, **versions(), "d_in": d_in, "d_out": d_out, "r": r, "tokens": T,
                            "dtype": DTYPE_NAMES[dt], "mode": mode, "reps": reps}
@@ -157,15 +153,13 @@ def plan_summary(rows: list[dict], timed: bool) -> dict:
 
 class CsvRows:
     """Rows written to a CSV file as they come (a run cut short keeps what it measured); dict
-    cells as JSON, a missing value (triton not installed) empty. The header is the first row's
-    keys: the device's name, the versions, the shape, dtype and mode, then the times in ms
-    (median, p10 and p90 of the samples).
+    cells as JSON, a missing value empty; the header is the first row's keys.
 
-    An existing file is left as it was until a row exists: the header and the first row go to
-    a temporary file in the same folder, which then replaces ``path`` (``os.replace``); later
-    rows are appended. A run that measures nothing removes only its temporary file. An
-    existing ``path`` that is not a regular file (a folder, /dev/null) is refused. Opening and
-    writing raise OSError (the caller reports it); ``close()`` always cleans up."""
+    An existing file is left as it was until a row exists: the header and first row go to a
+    temporary file in the same folder, which then replaces ``path``; later rows are appended.
+    A run that measures nothing removes only its temporary file. A ``path`` that exists and is
+    not a regular file (a folder, /dev/null) is refused. Opening and writing raise OSError (the
+    caller reports it); ``close()`` always cleans up."""
 
     def __init__(self, path: str) -> None:
         import errno

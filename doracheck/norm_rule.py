@@ -1,8 +1,8 @@
 """When doracheck computes a DoRA norm and when it reuses one: the one rule, for every path.
 
-Every DoRA call needs the row norms n = ||W + s·B·A||. ``lookup_or_compute`` decides, for
-``dora_linear``, ``DoRALinear``, the PEFT integration in training and evaluation, and the
-model-level refresh that ``generate`` and compiled inference read (``inference_norms``):
+Every DoRA call needs the row norms n = ||W + s·B·A||. ``lookup_or_compute`` decides for every
+entry point, and for the model-level refresh ``generate`` and compiled inference read
+(``inference_norms``):
 
 1. **A training forward** (autograd records it, outside a backward) computes the norm and
    stores it in the slot of its (layer, adapter). It reads nothing stored before.
@@ -10,11 +10,10 @@ model-level refresh that ``generate`` and compiled inference read (``inference_n
    graph task) reuses the stored norm when the stamp matches.
 3. **A forward without grad mode** (evaluation, ``generate``, decode, reentrant
    checkpointing's first pass) reuses the stored norm when the stamp matches, until an
-   optimizer step (a global post-hook: every ``torch.optim`` optimizer, fused and foreach
-   ones included), a backward, or ``clear_norm_cache()``. After a backward it neither reads
-   nor stores (and drops the layer's slot) until the next optimizer step, training forward or
-   ``clear_norm_cache()`` starts a new era: parameters may be written by hand meanwhile
-   (``p.data -= lr * p.grad``).
+   optimizer step (a global post-hook on every ``torch.optim`` optimizer), a backward, or
+   ``clear_norm_cache()``. After a backward it neither reads nor stores (and drops the layer's
+   slot) until an optimizer step, training forward or ``clear_norm_cache()`` starts a new era:
+   parameters may be written by hand meanwhile (``p.data -= lr * p.grad``).
 
 The stamp is what a reused norm was computed from: W, A and B as (object, address, version,
 shape, strides, dtype, device), s, ``fan_in_fan_out``, the implementation path and the current
@@ -52,7 +51,6 @@ _stats = {"hits": 0, "misses": 0}
 # The training era: a stored norm is read across forwards only within the era it was stored in.
 _era = {"number": 0, "backward_seen": False}
 
-
 _era_listeners: list = []  # called at the end of every era (inference_norms disarms an interrupted forward's layers)
 
 
@@ -89,10 +87,8 @@ def backward_seen() -> bool:
 
 
 def note_backward() -> None:
-    """Called by every doracheck backward: parameters may be written once it is done, so no
-    norm is reused outside a backward until an optimizer step or a training forward starts a
-    new era. Not while torch.compile traces (a
-    compiled graph cannot mutate Python state; compiled forwards store nothing either)."""
+    """Called by every doracheck backward: parameters may be written once it is done (rule 3).
+    Not while torch.compile traces (a compiled graph cannot mutate Python state)."""
     if not _compiling():
         _era["backward_seen"] = True
 
@@ -116,9 +112,8 @@ _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _stream_of(t: torch.Tensor):
-    """The current CUDA stream on ``t``'s device (its handle), None for other tensors. Part of
-    the key: a norm computed on one stream is read only on that stream, since another stream
-    could read it before its kernels finish (threads serving with a stream each)."""
+    """The current CUDA stream's handle on ``t``'s device, None off CUDA. Part of the key:
+    another stream could read a norm before its kernels finish (threads with a stream each)."""
     if not t.is_cuda:
         return None
     if _RAW_STREAM is not None:
@@ -166,9 +161,8 @@ def _state_mapping():
 
 
 def fsdp_active() -> bool:
-    """True once any module in this process is managed by FSDP2 (``fully_shard``); it stays
-    True. Re-checked only when the registry of composable-API states changes (its size or its
-    newest entry), which is O(1) in every forward."""
+    """True once any module in this process is managed by FSDP2 (``fully_shard``), for good.
+    Re-checked only when the composable-API state registry changes (size or newest entry): O(1)."""
     if _fsdp_seen["active"]:
         return True
     _module_state_mapping = _state_mapping()
@@ -193,11 +187,9 @@ def _cacheable() -> bool:
 
 
 def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, *, recording, tag=""):
-    """The stored value for these tensors if the module rule allows reusing it, else
-    ``compute()`` (stored for later). ``recording``: the caller's forward is recorded by
-    autograd (a training forward; inside an autograd Function's forward grad mode is off, so
-    the caller says). ``tag`` (the implementation path) is part of the key, so paths never
-    share entries."""
+    """The stored value if the rule allows reusing it, else ``compute()`` (stored). ``recording``:
+    autograd records the caller's forward (grad mode is off inside a Function's forward, so the
+    caller says). ``tag`` (the implementation path) is part of the key: paths never share."""
     if not _cacheable() or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
         # Under CUDA graph capture the norm is part of the graph: a replay recomputes it from the
         # parameters as they are then; a stored tensor would be graph memory that replays overwrite.
@@ -211,14 +203,11 @@ def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, 
         if recording:
             _end_era()  # a training forward: parameters are what this step will use
         else:
-            # Between a backward and the next step anything may write (rule 3): no reading, no
-            # storing, and the layer's stored entry is dropped. This forward may be the first
-            # pass of reentrant checkpointing: its recompute inside the backward must then
-            # compute afresh, not find an earlier step's value (parameters updated through
-            # .data between steps would give stale norms to the recompute).
-            # Storing this forward's value instead was wrong too: an evaluation with swapped
-            # weights (an EMA copied in and back through .data) before a pending backward would
-            # have replaced the value that backward's recompute reads.
+            # Rule 3: no reading, no storing, and the layer's entry is dropped. This may be
+            # reentrant checkpointing's first pass, whose recompute must then compute afresh
+            # (.data updates between steps would make an older entry stale). Storing this value
+            # would be wrong too: an evaluation with swapped weights (an EMA copied in and back
+            # through .data) would replace what a pending backward's recompute reads.
             with _lock:
                 _entries.pop(id(lora_B), None)
                 _stats["misses"] += 1
@@ -248,10 +237,9 @@ def lookup_or_compute(weight, lora_A, lora_B, scaling, fan_in_fan_out, compute, 
 
 
 def _holds_inference_tensors(value) -> bool:
-    """Whether a stored value was formed under ``torch.inference_mode`` (an evaluation run
-    there): a recompute inside a backward cannot save such tensors for its own backward, so it
-    computes afresh (an inference-mode validation before the first training step would make
-    reentrant checkpointing's recompute raise)."""
+    """Whether a stored value was formed under ``torch.inference_mode``: a recompute inside a
+    backward cannot save such tensors, so it computes afresh (else an inference-mode validation
+    before the first step makes reentrant checkpointing's recompute raise)."""
     parts = value if isinstance(value, tuple) else (value,)
     for part in parts:
         for t in part if isinstance(part, tuple) else (part,):
@@ -266,9 +254,8 @@ def _forget(slot: int) -> None:
 
 
 def clear_norm_cache() -> None:
-    """Drop every stored norm and start a new era: the parameters as they are now are the
-    truth (needed only after writes through ``.data`` that the rule cannot see; see the
-    module docstring)."""
+    """Drop every stored norm and start a new era (needed only after writes through ``.data``
+    that the rule cannot see; the module docstring)."""
     with _lock:
         _entries.clear()
         _end_era()

@@ -51,26 +51,24 @@ def _write_flags(values: tuple) -> None:
 
 
 def _fp32_reduction(value):
-    """The flag with 16-bit reduction off, in ``value``'s form: ``value`` itself where it is off
-    already (a caller's (False, False), split-K off too, is kept: it is stricter), else what
-    ``matmul.allow_*_reduced_precision_reduction = False`` sets: split-K allowed, its partials
-    reduced in fp32."""
+    """The flag with 16-bit reduction off, in ``value``'s form: ``value`` itself where off already
+    (a caller's stricter (False, False) is kept), else what assigning False sets: split-K
+    allowed, its partials reduced in fp32."""
     if isinstance(value, tuple):
         return value if not value[0] else (False, True)
     return False
 
 
-# The flags are process state, and doracheck calls run on several threads at once (autograd's
-# per-device backward threads, DataParallel replicas, servers): the first call to enter saves
-# and switches them, the last to leave puts the caller's values back. Each call saving and
-# restoring on its own let an early exit switch them back on under a call still running.
+# Process state, while calls run on several threads (autograd's device threads, DataParallel,
+# servers): the first call in saves and switches them, the last out restores them (per-call
+# save/restore let an early exit switch them back on under a call still running).
 _flags_lock = threading.Lock()
 _flags_held: dict[str, Any] = {"depth": 0, "saved": None}
 
 
 def _flags_enter() -> None:
-    """Only a flag that is on is written (and, on the last exit, written back): with the flags off
-    already, entering costs two reads. This runs around every GEMM doracheck issues in eager."""
+    """Only a flag that is on is written (and written back on the last exit): with the flags
+    off, entering costs two reads (it runs around every eager doracheck GEMM)."""
     with _flags_lock:
         if _flags_held["depth"] == 0:
             saved = _read_flags()
@@ -136,17 +134,15 @@ def _autocast_enabled(device_type: str) -> bool:
 
 
 def our_numerics(device_type: str):
-    """The numerics doracheck's GEMMs run with, for the duration of a forward or backward
-    (``with our_numerics(device_type):``):
-    - autocast off on ``device_type`` (the layer chooses every dtype itself: GEMMs in the
-      compute dtype, fp32 g and accumulators; autocast re-casting operands would break it);
+    """The numerics of doracheck's GEMMs for a forward or backward (``with our_numerics(dt):``):
+    - autocast off on ``device_type`` (the layer chooses every dtype: GEMMs in the compute
+      dtype, fp32 g and accumulators; autocast re-casting operands would break it);
     - on CUDA, cuBLAS's 16-bit reduction of split-K partials off (torch's
-      ``allow_fp16/bf16_reduced_precision_reduction`` default to True): every reduction
-      accumulates in fp32. The caller's settings are restored after, exactly as they were
-      (both parts of torch >= 2.10's (allow, allow_split_k) pair).
-    Nothing is changed while torch.compile traces (the compiled graph picks its own GEMMs).
-    Entered several times per layer call on the host-bound eager path, so the common case (no
-    autocast, not tracing) takes a plain class over torch's flag functions."""
+      ``allow_fp16/bf16_reduced_precision_reduction`` default to True), so every reduction
+      accumulates in fp32; the caller's settings are restored exactly (both parts of torch
+      >= 2.10's (allow, allow_split_k) pair).
+    Nothing changes while torch.compile traces (the graph picks its own GEMMs). Entered several
+    times per eager layer call, so the common case takes a plain class (``_FlagsOff``)."""
     if torch.compiler.is_compiling() or _autocast_enabled(device_type):
         return _numerics_general(device_type)
     if device_type != "cuda" or tracing():

@@ -1,38 +1,31 @@
 """Computation-order planner for the DoRA layer (the RunLoRA idea, arXiv 2312.03415).
 
-A DoRA layer can be computed in several orders that give the same function. Which is fastest
-depends on d_in, d_out, r, the token count T and the dtype. The planner enumerates the orders
-that matter here, predicts each one's time from a cost model (FLOPs and bytes against the
-device's measured ceilings, plus the host's cost of issuing each op), optionally times them
-once per shape, and picks one. ``doracheck.dora_linear`` asks it on every call (the answer is
-cached per shape).
+A DoRA layer can be computed in several orders that give the same function; which is fastest
+depends on d_in, d_out, r, the token count T and the dtype. The planner enumerates them,
+predicts each one's time from a cost model (FLOPs and bytes against the device's measured
+ceilings, plus the host's cost of issuing each op) or times them once per shape, and picks
+one; ``dora_linear`` asks it on every call (cached per shape).
 
 Variants (``Variant``):
 - ``order``:
   * "factored": base = x·Wᵀ, xa = x·Aᵀ, then the up-projection xa·Bᵀ fused with the compose;
     backward dx = dz·W + s·(dz·B)·A. Extra FLOPs over nn.Linear: 2·T·r·(d_in + d_out) forward.
   * "merged": W' = W + s·B·A formed in the compute dtype (one GEMM, fp32 accumulation, rounded
-    once), base = x·W'ᵀ, then y = g⊙base (+ b); backward forms W' again (it is not kept) and
-    dx = dz·W'. Extra FLOPs: 2·d_out·r·d_in per pass, independent of T, plus a d_out×d_in
-    temporary. Only where precision holds: rounding W' to a 16-bit dtype perturbs every
-    weight by up to half an ulp, which breaks the compose's 0.5-ulp property (docs/design.md
-    section 2) on exactly representable problems; in fp32 the perturbation is 2^-24 relative,
-    far inside every fp32 budget. So "merged" is a candidate for fp32 compute only, without
-    dropout, with the detached norm, and only where its temporary fits the memory allowance.
-- ``chunked`` (training): the backward's dz = g⊙dy materialised a token chunk at a time
-  (settings.BACKWARD_CHUNK_BYTES) or whole. Same arithmetic, except that a chunked dB is summed
-  over chunks in fp32.
-- ``save_xa`` (training): keep x·Aᵀ (T×r) from the forward, or recompute it in the backward
-  (bitwise the same GEMM). Saves T×r of activation memory for 2·T·r·d_in FLOPs.
-
-Choosing: ``plan(...)`` answers from the cost model, or with ``timed=True`` from measuring every
-candidate side by side once per shape; ``dora_linear`` asks ``choose``, which uses the cost model
-unless ``set_mode("timed")`` (or ``DORACHECK_PLAN=timed``) says to measure.
+    once), base = x·W'ᵀ, y = g⊙base (+ b); the backward forms W' again and dx = dz·W'. Extra:
+    2·d_out·r·d_in FLOPs per pass, independent of T, and a d_out×d_in temporary. Rounding W'
+    to 16 bits perturbs every weight by up to half an ulp, breaking the compose's 0.5-ulp
+    property (docs/design.md section 2); in fp32 it is 2^-24 relative, far inside every fp32
+    budget. So "merged" is a candidate for fp32 only, without dropout, with the detached norm,
+    and where its temporary fits the memory allowance.
+- ``chunked`` (training): the backward's dz = g⊙dy a token chunk at a time
+  (settings.BACKWARD_CHUNK_BYTES) or whole; a chunked dB is summed over chunks in fp32.
+- ``save_xa`` (training): keep x·Aᵀ (T×r) from the forward, or recompute it (bitwise the same
+  GEMM): T×r of activation memory against 2·T·r·d_in FLOPs.
 
 Memory allowance: a layer may add at most ``max(32 MiB, 0.25·T·d_out·itemsize)`` of peak memory
-over the plain linear layer's (the layer target: <= 1.25x nn.Linear + 32 MiB); in
-training the adapter gradients and their fp32 accumulators are counted first, and a variant is
-a candidate only if its own extra fits in what is left (the default always is).
+over the plain linear layer's (the target: <= 1.25x nn.Linear + 32 MiB); in training the adapter
+gradients and their fp32 accumulators count first, and a variant is a candidate only if its own
+extra fits in what is left (the default always is).
 """
 
 from __future__ import annotations
@@ -64,10 +57,9 @@ DEFAULT = Variant()
 
 @dataclass(frozen=True)
 class Ceilings:
-    """What the cost model divides by. H200 figures measured here:
-    bf16 GEMM 687 TFLOP/s (8192³, cuBLAS), copy 4246 GB/s counting read + write; fp32 GEMM
-    taken as bf16/14 (no tensor cores; cuBLAS fp32 about 50 TFLOP/s, H200 datasheet 67);
-    a kernel costs at least ``kernel_s`` on the GPU. Host cost per modelled op, from the
+    """What the cost model divides by. H200: bf16 GEMM 687 TFLOP/s (8192³, cuBLAS), copy
+    4246 GB/s counting read + write; fp32 GEMM taken as bf16/14 (no tensor cores; cuBLAS fp32
+    about 50 TFLOP/s, datasheet 67); a kernel costs at least ``kernel_s``. Host cost per op, from the
     host-bound rows (T = 1 and 256) of ``doracheck bench --plan`` on two H200 machines (two
     tables pooled): a forward op 38 µs (median no_grad forward 0.230 ms over 6 modelled ops;
     0.262 and 0.210 ms in the two tables apart), a backward op 65 µs (the autograd engine and
@@ -123,9 +115,8 @@ _MEASURE: list[Callable[..., dict[str, float]] | None] = [None]  # None: ``dorac
 @contextlib.contextmanager
 def use_variant(variant: Variant | str) -> Iterator[None]:
     """Force a variant (a ``Variant`` or its ``name``, e.g. "merged+whole") for every call in the
-    process while the block is open (a testing and verification tool: keep the backward, and
-    any checkpoint recompute, inside the block). A forced variant is not checked for
-    precision: "merged" then runs in 16-bit too, where the property suite shows it fails."""
+    process while the block is open (for testing: keep the backward and any checkpoint recompute
+    inside). Not checked for precision: "merged" then runs in 16-bit too, where it fails."""
     previous = _FORCED[0]
     _FORCED[0] = parse_variant(variant) if isinstance(variant, str) else variant
     try:
@@ -162,12 +153,10 @@ def candidates(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype, t
     orders = ["factored"] + (["merged"] if dtype in (torch.float32, torch.float64) and not dropout and detach_norm else [])
     flags = [(True, True), (False, True), (True, False), (False, False)] if training else [(True, True)]
     if training and backward_token_chunk(tokens, d_out, itemsize) >= tokens:
-        # dz fits in one chunk: "+whole" runs the very same program as the chunked default, so it
-        # is not a variant here (timing both would only pick between two samples of noise)
+        # dz fits in one chunk: "+whole" is the same program (timing both would time noise)
         flags = [f for f in flags if f[0]]
-    # The allowance covers everything the layer adds over nn.Linear; the adapter gradients and
-    # their fp32 accumulators (and 4 MiB of small buffers) come out of it before any variant's own
-    # extra. The default variant is always allowed (it is what the memory targets were measured on).
+    # The adapter gradients, their fp32 accumulators and 4 MiB of small buffers come out of the
+    # allowance first. The default is always allowed (the memory targets were measured on it).
     fixed = (2 * 4 + 2 * itemsize) * (d_in + d_out) * r + 4 * 2**20 if training else 0
     allowance = memory_allowance(d_out, tokens, itemsize) - fixed
     out = []
@@ -239,11 +228,10 @@ def plan(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype = torch.
          refresh: bool = False) -> Plan:
     """The variant for a DoRA layer of this shape, with every candidate's predicted time.
 
-    With ``timed`` the choice is the fastest measured candidate: ``measure(candidates, d_in,
-    d_out, r, tokens, dtype, training, device, dropout=..., detach_norm=...)`` -> {name: ms}
-    times them side by side on ``device`` once per shape (cached for the process; ``refresh``
-    measures again). ``measure`` defaults to ``doracheck.measure.measure_variants`` (imported
-    here, when first needed: it runs the layer, which imports the planner)."""
+    With ``timed`` the fastest measured candidate: ``measure(candidates, d_in, d_out, r, tokens,
+    dtype, training, device, dropout=..., detach_norm=...)`` -> {name: ms} times them side by
+    side once per shape (cached; ``refresh`` measures again); default
+    ``doracheck.measure.measure_variants``, imported when first needed (it imports the planner)."""
     cands = candidates(d_in, d_out, r, tokens, dtype, training, dropout, detach_norm)
     predicted = {v.name: predict_ms(v, d_in, d_out, r, tokens, dtype, training, ceilings) for v in cands}
     if not timed:
@@ -268,10 +256,9 @@ def plan(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype = torch.
 def choose(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype, training: bool, dropout: bool,
            detach_norm: bool, device: torch.device) -> Variant:
     """What ``dora_linear`` runs: a forced variant, else the planner's choice, cached per shape:
-    the cost model's on a GPU, or with ``set_mode("timed")`` the fastest measured (on any
-    device; the first call of each shape then times every candidate, on fresh inputs of the
-    same shape, before it runs). Forced variants that are not allowed here (merged with dropout
-    or the exact norm gradient) fall back to "factored" with the same flags."""
+    the cost model's on a GPU, or with ``set_mode("timed")`` the fastest measured on any device
+    (timed on fresh inputs at the shape's first call). A forced "merged" with dropout or the
+    exact norm gradient falls back to "factored" with the same flags."""
     if torch.compiler.is_compiling():
         return DEFAULT  # compiled graphs keep one order (and Dynamo does not trace ContextVar)
     forced = _FORCED[0]
@@ -293,12 +280,11 @@ def choose(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype, train
 
 
 def set_mode(mode: str) -> None:
-    """How ``dora_linear`` plans from now on, process-wide: "cost" (the cost model, the default)
-    or "timed" (measure the candidates of each new shape once, keep the fastest). The
-    environment variable ``DORACHECK_PLAN`` sets the starting mode. Timed planning costs a
-    measurement (about 15 calls of each candidate, and a second set of inputs of the layer's
-    size in memory) the first time each shape is seen, and it is skipped under CUDA graph
-    capture and torch.compile (the default order runs there)."""
+    """How ``dora_linear`` plans from now on, process-wide: "cost" (the default) or "timed"
+    (measure each new shape's candidates once, keep the fastest; ``DORACHECK_PLAN`` sets the
+    starting mode). Timing costs about 15 calls of each candidate and a second set of the
+    layer's inputs in memory per new shape; it is skipped under CUDA graph capture and
+    torch.compile (the default order runs there)."""
     if mode not in ("cost", "timed"):
         raise ValueError(f"planner mode: expected 'cost' or 'timed', got {mode!r}")
     _MODE[0] = mode

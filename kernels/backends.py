@@ -1,9 +1,8 @@
 """The backend table: the same op set in a torch twin and a Triton twin (docs/design.md section 5).
 
-A ``Backend`` is a NamedTuple of functions with one signature per op, whatever runs them. The
-layer (``doracheck.forward`` / ``doracheck.backward``) holds one backend per call, chosen once by
-``doracheck.dispatch.backend_for``, and never asks which one it holds. Adding a kernel is one
-file beside its torch twin and one entry in each backend below (docs/design.md section 7).
+A ``Backend`` is a NamedTuple of functions, one signature per op. The layer holds one per call
+(``dispatch.backend_for``) and never asks which it holds. Adding a kernel is one file beside its
+torch twin and one entry in each backend below (docs/design.md section 7).
 
 Ops (``cd``: the compute dtype of ``base``; ``g`` = m / max(n, eps) in fp32; ``s`` the scaling):
 - ``factored_norm(weight, lora_A, lora_B, s, fan_in_fan_out, need_factors) -> FactoredNorm``;
@@ -12,9 +11,8 @@ Ops (``cd``: the compute dtype of ``base``; ``g`` = m / max(n, eps) in fp32; ``s
 - ``compose_infer(base, xa, lora_B, m, n_safe, bias, s, base_has_bias) -> y``: inference,
   y = b + g⊙(base [- b] + s·xa·Bᵀ) with g = m / n_safe formed by the op.
 - ``compose_saving(base, xa, lora_B, g, bias, s, base_has_bias, output_may_stand_for_z)
-  -> (y, h, from_output)``: training, y as above and what the backward reads: h = z, or, where
-  the op allows it (Triton, no bias) and the caller says the output may stand for z, h = y
-  itself and ``from_output`` True (g⊙z = y, so no T×d_out buffer is kept).
+  -> (y, h, from_output)``: training, y as above and h = z for the backward, or h = y and
+  ``from_output`` True where the op allows it (Triton, no bias) and the caller says so (g⊙z = y).
 - ``compose_dropout(base, base_dropped, xa, lora_B, g, bias, s) -> (y, z_d)``.
 - ``grad_scale_dm(dy, h, g, n, bias, from_output, final_dm, reduce) -> (dz, dm partials)``.
 - ``dm_finish(parts, dy, x, weight_rows, xa, lora_B, g, n, s, out_dtype) -> dm``: the (P, d_out)
@@ -50,9 +48,6 @@ class Backend(NamedTuple):
     dm_finish: Callable[..., torch.Tensor]
 
 
-# --- the torch twins -----------------------------------------------------------------------
-
-
 def _norm_torch(weight, lora_A, lora_B, scaling, fan_in_fan_out, need_factors=False) -> FactoredNorm:
     return factored_norm_torch(weight, lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out)
 
@@ -82,16 +77,12 @@ TORCH = Backend(
     dm_finish=dm_finish_torch,
 )
 
-
-# --- the Triton twins (imported on first use: triton may be absent) -------------------------
-
-
 _TRITON: list[Backend] = []
 
 
 def triton_backend() -> Backend:
-    """The Triton backend (built on first use); its kernels go through ``ops.call`` (launched
-    in eager, torch.library ops while torch.compile traces)."""
+    """The Triton backend (imported and built on first use: triton may be absent); its kernels
+    go through ``ops.call`` (launched in eager, torch.library ops while torch.compile traces)."""
     if not _TRITON:
         _TRITON.append(_build_triton_backend())
     return _TRITON[0]
@@ -134,17 +125,14 @@ def _build_triton_backend() -> Backend:
 
 
 def _build_at_import() -> None:
-    """Build the Triton backend when this module is imported, where CUDA and triton are both
-    present, so that a first call that torch.compile traces finds it built. Built on that
-    traced call instead, the emptiness of ``_TRITON`` became one of the graph's guards, and the
-    second call recompiled the whole model (12 s of a 57 s compile for the 4-layer benchmark
-    model, 25-29 s with the kernels traced into the graph; H200, torch 2.11, TORCH_LOGS=recompiles). Elsewhere (CPU-only machines, the
-    interpreter) nothing traced asks for it: a traced call on CPU tensors takes the torch path.
-
-    ``torch.cuda.device_count()`` asks NVML where it can, so importing doracheck does not
-    initialise the CUDA driver (``is_available`` would, and processes forked after that could not
-    use CUDA). A triton that is installed but fails to import leaves the backend to be built at
-    its first use, as before, so ``import doracheck`` and the torch path keep working."""
+    """Build the Triton backend at import where CUDA and triton are both present, so a first
+    call that torch.compile traces finds it built: built inside that trace, the emptiness of
+    ``_TRITON`` became a guard and the second call recompiled the whole model (12 s of a 57 s
+    compile for the 4-layer benchmark model, 25-29 s with kernels traced; H200, torch 2.11).
+    Elsewhere a traced call takes the torch path. ``torch.cuda.device_count()`` asks NVML, so
+    importing doracheck does not initialise the CUDA driver (processes forked after that could
+    not use CUDA). A triton that fails to import leaves the build to first use, so ``import
+    doracheck`` and the torch path keep working."""
     import importlib.util
 
     if importlib.util.find_spec("triton") is None or torch.cuda.device_count() == 0:

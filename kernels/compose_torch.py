@@ -102,13 +102,11 @@ def grad_scale_dm_torch(
     dy: torch.Tensor, saved: torch.Tensor, g: torch.Tensor, n: torch.Tensor, bias: torch.Tensor | None, *, from_output: bool,
     final_dm: bool = False, reduce: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch twin of ``grad_scale_dm_triton`` (same signature and results up to summation
-    order): dz = g⊙dy in dy.dtype, saturated at the dtype's largest finite value where n < eps
-    (g = m/eps there, so zero rows of W and B give 0, not inf·0); S = Σ_t dy⊙h with h = y - b
-    when ``from_output`` (h = g⊙z) and h = z otherwise, accumulated in fp32 (fp64 for fp64).
-    With ``final_dm``, S is dm = Σ_t dy⊙z / max(n, eps) (0 where g = 0 and n < eps, NaN where
-    g = 0 and n >= eps when ``from_output``: z is not recoverable there). ``reduce=False``
-    returns S as one row of partials (1, d_out), as the Triton kernel's unsummed form."""
+    """The torch twin of ``grad_scale_dm_triton`` (same results up to summation order): dz =
+    g⊙dy in dy.dtype, saturated where n < eps (g = m/eps there: zero rows of W and B give 0, not
+    inf·0); S = Σ_t dy⊙h, h = y - b (= g⊙z) when ``from_output`` else z, in fp32 (fp64 for fp64).
+    ``final_dm``: S = dm = Σ_t dy⊙z / max(n, eps) (from the output where g = 0: 0 if n < eps,
+    else NaN). ``reduce=False``: S as one row of partials (1, d_out), as the kernel's."""
     acc = accumulation_dtype(dy, g)
     dy_acc = dy.to(acc)
     dz = dy_acc * g.to(acc)
@@ -163,4 +161,3 @@ def dm_finish_torch(
         dm[(g == 0) & (n >= eps())] = 0.0
         return dm.to(out_dtype)
     return dm_lost_rows_torch(dm, dy, x, weight_rows, xa, lora_B, g, n, scaling).to(out_dtype)
-

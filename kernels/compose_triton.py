@@ -4,21 +4,18 @@
 epilogue reads the base output x·Wᵀ (and x_d·Wᵀ with dropout), g and b, and writes y once:
     no dropout: y = b + g⊙(base + s·lora)
     dropout:    y = b + base + (g-1)⊙base_d + g⊙s⊙lora
-all in fp32 registers, rounded once to the output dtype (docs/design.md section 2). ``y`` may alias
-``base`` (each element is read before it is written, by the same program). Optionally it
-also writes z_d = base_d + s·lora (needed by the backward when dropout is active).
+all in fp32 registers, rounded once to the output dtype (docs/design.md section 2). ``y`` may
+alias ``base`` (each element is read before it is written, by the same program). Optionally it
+also writes z_d = base_d + s·lora (for the backward with dropout).
 
-``_lora_up_compose_tma_kernel`` (forward, Hopper: compute capability 9.x): the same compose without dropout or
-z, persistent (one program per SM walking the tiles in grouped order, the loop over tiles
-flattened so the next tile's loads are issued during this one's epilogue), xa, B, base and y
-through TMA descriptors, 128×256 tiles with the epilogue in two 128-column halves. Taken where
-``settings.compose_tma_config`` measured it faster (large T and r) and every operand suits TMA
-(16-bit, last stride 1, 16-byte aligned rows and base); the same fp32 expression per element.
+``_lora_up_compose_tma_kernel`` (forward, Hopper): the same compose without dropout or z,
+persistent (one program per SM walks the tiles in grouped order, the loop flattened so the next
+tile's loads overlap this one's epilogue), operands through TMA descriptors, 128×256 tiles.
+Taken where ``settings.compose_tma_config`` measured it faster and every operand suits TMA.
 
-``_grad_scale_dm_kernel`` (backward): one pass over dy giving dz = g⊙dy (output dtype) and
-fp32 partial sums over token blocks of dy⊙(y - b) (from the saved output) or of dy⊙z (from
-a saved z); the partials (n_token_blocks, d_out) are summed afterwards in a fixed order, so
-dm is bitwise deterministic (no atomics).
+``_grad_scale_dm_kernel`` (backward): one pass over dy giving dz = g⊙dy (output dtype) and fp32
+partial sums over token blocks of dy⊙(y - b) (from the saved output) or dy⊙z; the partials
+(n_token_blocks, d_out) are summed afterwards in a fixed order (no atomics: deterministic).
 """
 
 from __future__ import annotations
@@ -136,12 +133,11 @@ def _lora_up_compose_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PROGRAMS: tl.constexpr,
 ):
-    """y = b + g⊙(base + s·xa·Bᵀ) over tiles tile = program_id, program_id + PROGRAMS, ...; with
-    BASE_HAS_BIAS (base holds x·Wᵀ + b) y = b + g⊙(base - b + s·xa·Bᵀ); with G_FROM_M, g = m /
-    max(n, eps) formed here. The GEMM in fp32 (16-bit operands), the compose in fp32 registers, one
-    rounding to y's dtype. PROGRAMS = min(tiles, SMs) is a constexpr (as in Triton's persistent
-    matmul tutorial): tile counts below the SM count compile their own variant, which only shapes
-    of 128-131 tiles reach on an H200."""
+    """y = b + g⊙(base + s·xa·Bᵀ) over tiles program_id, program_id + PROGRAMS, ...; with
+    BASE_HAS_BIAS (base = x·Wᵀ + b) y = b + g⊙(base - b + s·xa·Bᵀ); with G_FROM_M, g = m /
+    max(n, eps) here. fp32 accumulation and compose, one rounding to y's dtype. PROGRAMS =
+    min(tiles, SMs) is a constexpr (as in Triton's persistent matmul tutorial): only 128-131
+    tiles on an H200 compile a variant of their own."""
     n_m = tl.cdiv(T, BLOCK_M)
     n_n = tl.cdiv(d_out, BLOCK_N)
     k_tiles = tl.cdiv(r, BLOCK_K)
@@ -176,10 +172,9 @@ def _grad_scale_dm_kernel(
 ):
     """dz = g⊙dy; partial[tb, i] = Σ_{t in block tb} dy_ti·h_ti with h = y - b (= g·z) or z.
 
-    With FINAL_DM each partial is already divided into its share of dm = Σ_t dy⊙z / max(n, eps):
-    by max(n, eps) for h = z; by g·max(n, eps) (= m) for h = g·z, where g = 0 gives 0 for a
-    zero row (n < eps, z = 0) and NaN otherwise (z is not recoverable from y there). The sum of
-    the partials is then dm itself, which saves the host the ops that would finish it.
+    With FINAL_DM each partial is its share of dm = Σ_t dy⊙z / max(n, eps): divided by
+    max(n, eps) for h = z, by g·max(n, eps) (= m) for h = g·z, where g = 0 gives 0 for a zero
+    row (n < eps, z = 0) and NaN otherwise (z is lost from y). Saves the host the finishing ops.
 
     Rows with n < eps have g = m/eps (up to 1e12): there dz saturates at ±MAX_OUT (the output
     dtype's largest finite value) instead of overflowing to inf, so that the zero rows of W
@@ -300,10 +295,9 @@ def tma_compose_available(device: torch.device | int) -> bool:
 
 
 def _tma_config(y, base, xa, lora_B, T, d_out, r):
-    """The TMA compose's config where it applies (eager; a shape ``settings.compose_tma_config``
-    takes; Hopper, or the interpreter; 16-bit operands of one dtype each side; TMA-addressable), else
-    None (the pointer kernel). The shape is asked first: it is arithmetic, and it turns away the
-    host-bound small-T calls before the tensors are examined."""
+    """The TMA compose's config where it applies (eager; a shape ``compose_tma_config`` takes;
+    Hopper or the interpreter; 16-bit operands, one dtype each side; TMA-addressable), else None.
+    The shape is asked first: cheap arithmetic that turns away host-bound small-T calls."""
     cfg = compose_tma_config(T, d_out, r)
     if cfg is None or (xa.dtype not in _TMA_DTYPES or lora_B.dtype != xa.dtype or base.dtype not in _TMA_DTYPES
                        or y.dtype != base.dtype):
@@ -340,9 +334,8 @@ def grad_scale_dm_triton(
     final_dm: bool = False, reduce: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dz, S): dz = g⊙dy in dy.dtype (saturated where n < eps); S = Σ_t dy⊙(y - b) if
-    ``from_output`` else Σ_t dy⊙z (fp32); with ``final_dm``, S is dm = Σ_t dy⊙z / max(n, eps)
-    itself (see the kernel). ``reduce=False`` returns the (token blocks, d_out) partials
-    unsummed, so a caller working over token chunks sums all of them once, in order."""
+    ``from_output`` else Σ_t dy⊙z (fp32); with ``final_dm``, S = dm (see the kernel).
+    ``reduce=False``: the (token blocks, d_out) partials, for a chunked caller to sum in order."""
     T, d_out = dy.shape
     dz = torch.empty_like(dy)
     cfg = grad_config(T, d_out)

@@ -1,20 +1,18 @@
 """The magnitude gradient's last pass, in Triton: the partial sums added up, the features whose
 z the saved output no longer holds recomputed, the result rounded once to m's dtype.
 
-Where the backward recovers g⊙z from the saved output (Triton path, no dropout, no bias),
-a feature i with g_i = 0 while n_i >= eps (its magnitude is exactly 0) has y_i = 0 for every
-token, so z_i is gone and the dz/dm pass can only mark dm_i as lost (NaN). This pass forms
+Where the backward recovers g⊙z from the saved output (Triton path, no dropout, no bias), a
+feature i with g_i = 0 while n_i >= eps (magnitude exactly 0) has y_i = 0 for every token: z_i
+is gone and the dz/dm pass can only mark dm_i as lost (NaN). This pass forms
 
     dm_i = Σ_p part_pi                                   (fp32, in the order p = 0, 1, ...)
     dm_i = Σ_t dy_ti·z_ti / max(n_i, eps)  where lost,   z_ti = Σ_k x_tk·W_ik + s·Σ_j xa_tj·B_ij
 
-and writes dm in the output's dtype, rounded once. One launch per backward does what were three
-host operations (the sum of the partials, the lost-row kernel, the cast to m's dtype), on a
-host-bound training step (the GPU waited for the host before each).
+rounded once to the output's dtype: one launch instead of three host operations (the sum, the
+lost-row kernel, the cast) on a host-bound training step.
 
-One program per block of BLOCK_D features: the partials are read coalesced; a block with no
-lost feature (the common case: no magnitude exactly 0) runs no recomputation at all. A lost
-feature costs O(T·(d_in + r)) reads; accumulation is fp32, in a fixed order (deterministic).
+One program per BLOCK_D features, the partials read coalesced; a block with no lost feature (the
+common case) recomputes nothing. A lost feature costs O(T·(d_in + r)) reads; fp32, fixed order.
 """
 
 from __future__ import annotations
@@ -100,8 +98,8 @@ def dm_finish_triton(
     lora_B: torch.Tensor, g: torch.Tensor, n: torch.Tensor, scaling: float, out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """dm (d_out,) in ``out_dtype``: the rows of ``parts`` (P, d_out) fp32 summed in order, the
-    lost features (g = 0, n >= eps) recomputed, rounded once. ``weight_rows`` is W as
-    (d_out, d_in), any strides; g and n contiguous."""
+    lost features (g = 0, n >= eps) recomputed, rounded once. ``weight_rows``: W as (d_out, d_in),
+    any strides; g and n contiguous."""
     P, d_out = parts.shape
     out = torch.empty(d_out, dtype=out_dtype, device=parts.device)
     if d_out == 0:

@@ -3,12 +3,12 @@
     n_i² = ||W_i||² + 2s·Σ_j B_ij·U_ij + s²·Σ_j (B·G)_ij·B_ij
     U = W·Aᵀ (d_out × r),  G = A·Aᵀ (r × r)
 
-W is read in column chunks of ``chunk`` input features, upcast to fp32 chunk by chunk,
-so nothing of size d_out × d_in is allocated beyond W itself. Accumulation is fp32, or
-fp64 when any input is fp64 ("fp32 or better": fp64 callers such as gradcheck get fp64). Extra memory, in bytes:
+W is read in column chunks of ``chunk`` input features, upcast chunk by chunk, so nothing of
+size d_out × d_in is allocated beyond W. Every reduction accumulates in fp32, or fp64 when any
+input is fp64 (gradcheck). Extra memory, in bytes:
     4·(d_out·r + r² + 3·d_out + r·chunk) + 8·d_out·chunk
 (U, G, the three term vectors, an fp32 A chunk, and the fp32 W chunk plus its square).
-Every reduction accumulates in fp32. No autograd here: callers wrap this.
+No autograd here: callers wrap this.
 """
 
 from __future__ import annotations

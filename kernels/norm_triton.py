@@ -7,40 +7,30 @@
 
 Two paths for base and cross (``terms_from_gram``):
 - 16-bit W (``settings.cublas_cross_pieces``): U = W·Aᵀ by cuBLAS with fp32 output
-  (``cross_product_u``; adapters of another dtype than W split into two pieces of W's dtype,
-  U of 2r columns), then ``_norm_from_u_kernel`` reads W (base), U and B (cross) and the lora
-  partials and finishes, in one launch (d_out × r or 2r fp32 of U: no d_out × d_in).
-- fp32 W: the row-dot kernel on (W, A, B) (tf32x3) with the base term from the same W tiles,
-  then ``_norm_finish_kernel``.
+  (``cross_product_u``), then ``_norm_from_u_kernel`` reads W (base), U and B (cross) and the
+  lora partials and finishes in one launch (d_out × r or 2r fp32 of U: no d_out × d_in).
+- fp32 W: the row-dot kernel on (W, A, B) (tf32x3), the base term from the same W tiles, then
+  ``_norm_finish_kernel``.
 
-Kernels:
-- ``_rowdot_kernel``: program (pm, pn) computes the tile acc = X[rows]·Y[cols]ᵀ and stores the
-  partial Σ_{j in cols} C[rows, j]·acc[rows, j] to ``part[pn, rows]``; with COMPUTE_BASE the
-  pn = 0 programs also store Σ_k X[rows, k]². Launched as (X, Y, C) = (B, G, B) for lora, and
-  (W, A, B) for base and cross on the second path. Partials are summed afterwards in a fixed order.
-  With N_SUB = 3 one program covers three BLOCK_N-wide column tiles from one load of each X tile
-  (r = 384 as 3 × 128 columns, where one 256-wide tile pair would pad it to 512).
-- ``_gram_kernel``: split-K partials of G = A·Aᵀ, (SPLIT, r, r) fp32, summed in a fixed order.
-- ``_norm_finish_kernel`` / ``_norm_from_u_kernel``: the fixed-order sums and the terms combined
-  into n, both through ``_store_terms``.
-No atomics anywhere, and cuBLAS is bitwise reproducible with a fixed workspace configuration:
-the norm is bitwise deterministic.
+Kernels: ``_rowdot_kernel`` (per-row partials of Σ_j C⊙(X·Yᵀ), launched as (X, Y, C) =
+(B, G, B) for lora and (W, A, B) on the fp32 path), ``_gram_kernel`` (split-K partials of G),
+``_norm_finish_kernel`` / ``_norm_from_u_kernel`` (the sums combined into n). Partials are summed
+in a fixed order, no atomics, and cuBLAS is bitwise reproducible with a fixed workspace
+configuration: the norm is bitwise deterministic.
 
-Precision: 16-bit X run on bf16/fp16 tensor cores with fp32 accumulation (cuBLAS's U too: exact
-products, fp32 accumulation and split-K partials). A Y of another dtype
-is split into pieces of X's dtype instead of being rounded: fp32 (or fp16-under-bf16) adapters A
-into two (hi + lo: 16 bits in bf16; cuBLAS's GEMM then has 2r columns, the row-dot kernel's runs
-twice), G into three with bf16 B (about
-all 24 bits; that GEMM has K = r, so a third pass is cheap). With fp16 B the lora GEMM runs in
-fp32 (tf32x3): fp16 pieces of G would overflow or fall into subnormals. When X is
-fp32 the dots use ``tf32x3`` (about fp32 accuracy). ``fan_in_fan_out`` is read through strides.
+Precision: 16-bit X runs on bf16/fp16 tensor cores with fp32 accumulation (cuBLAS's U too: exact
+products, fp32 accumulation and split-K partials). A Y of another dtype is split into pieces of
+X's dtype, not rounded: fp32 (or fp16-under-bf16) A into two (hi + lo: 16 bits in bf16; cuBLAS's
+GEMM has 2r columns, the row-dot kernel runs twice), G into three with bf16 B (about all 24
+bits; K = r, so cheap). With fp16 B the lora GEMM runs in fp32 (tf32x3): fp16 pieces of G would
+overflow or fall into subnormals. fp32 X uses ``tf32x3`` (about fp32 accuracy).
+``fan_in_fan_out`` is read through strides.
 
-Measured on the H200 (bf16, r = 384, triton 3.6): the row-dot kernel is right on triton 3.6 only with 64-wide tiles when it also sums
-W² (wider tiles got the cross term wrong and unrepeatable; without the base term they are right),
-and the fused base term slows it (195.8 against 137.9 µs at 14336×4096), while cuBLAS's W·Aᵀ
-takes 75.5 µs: hence the first path (the whole training norm at 8192²: 244.1 → 158.6 µs). An
-epilogue that formed B·G inside the W·Aᵀ kernel cost 110-140 µs more (register pressure),
-hence the separate (B, G, B) launch.
+Why two paths (H200, bf16, r = 384; figures in ``settings.cublas_cross_pieces``): the row-dot
+kernel is right only with 64-wide tiles when it also sums W², and the fused base term slows it,
+while cuBLAS's W·Aᵀ is fast (the whole training norm at 8192²: 244.1 → 158.6 µs). An epilogue
+forming B·G inside the W·Aᵀ kernel cost 110-140 µs more (register pressure), hence the separate
+(B, G, B) launch.
 """
 
 from __future__ import annotations
@@ -200,9 +190,8 @@ def _norm_finish_kernel(
     M, scaling,
     BLOCK: tl.constexpr,
 ):
-    """base = Σ_p sq[p], cross = Σ_p cross_part[p], lora = Σ_p lora_part[p] (p in order:
-    deterministic), then norm as ``_store_terms`` says, stored as
-    the rows of ``terms`` (one output tensor: no two pointer arguments alias one)."""
+    """base = Σ_p sq[p], cross = Σ_p cross_part[p], lora = Σ_p lora_part[p] (p in order), and
+    norm (``_store_terms``), stored as the rows of ``terms`` (one output: no aliased pointers)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < M
     s = tl.cast(scaling, tl.float32)
@@ -228,12 +217,10 @@ def _norm_from_u_kernel(
     M, N, K, scaling,
     PIECES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """base = Σ_k W_ik², cross = Σ_j B_ij·U_ij (PIECES = 2: Σ_j B_ij·(U_ij + U_i,N+j), the two
-    pieces of A summed in fp32), lora = Σ_p lora_part[p] (fp32; each sum in a fixed
-    order: element-wise into a BLOCK-wide fp32 accumulator, then one tree sum, so the norm is
-    bitwise deterministic), then the terms as ``_norm_finish_kernel`` stores them. One program
-    per BLOCK_M rows: the W pass is a streaming read (U came from cuBLAS, which cannot reduce
-    in its epilogue)."""
+    """base = Σ_k W_ik², cross = Σ_j B_ij·U_ij (PIECES = 2: Σ_j B_ij·(U_ij + U_i,N+j), A's two
+    pieces summed in fp32), lora = Σ_p lora_part[p]; each fp32 sum in a fixed order (element-wise
+    into a BLOCK-wide accumulator, then one tree sum), stored as ``_norm_finish_kernel`` does.
+    One program per BLOCK_M rows: a streaming read of W (cuBLAS cannot reduce in its epilogue)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     ok = rows < M
     kk = tl.arange(0, BLOCK_K)
@@ -294,13 +281,10 @@ def _dot_setup(x_dtype: torch.dtype, y_dtype: torch.dtype, pieces: int = 2):
 
 
 def gram_triton(lora_A: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """G = A·Aᵀ in fp32 (r, r), deterministic split-K: exact products for 16-bit A
-    (tensor cores, fp32 accumulation), tf32x3 for fp32 A. ``out``: an fp32 (r, r) tensor to
-    write G into (the same bits as a new one).
-
-    Triton for every dtype, not cuBLAS's fp32-output GEMM: cuBLAS was 4-7 µs faster on a whole
-    norm but made n less accurate (relative error against fp64 4.6e-6 instead of 8.8e-7 at
-    d_in = 4096, H200, bf16, r = 384)."""
+    """G = A·Aᵀ in fp32 (r, r), deterministic split-K: exact products for 16-bit A (fp32
+    accumulation), tf32x3 for fp32 A; written into ``out`` if given (the same bits).
+    Triton, not cuBLAS's fp32-output GEMM: cuBLAS was 4-7 µs faster on a whole norm but less
+    accurate (n against fp64 4.6e-6 instead of 8.8e-7 at d_in = 4096, H200, bf16, r = 384)."""
     r, d_in = lora_A.shape
     dot_dtype, split_lo, precision = _dot_setup(lora_A.dtype, lora_A.dtype)
     cfg = gram_config(r, d_in)
@@ -351,10 +335,8 @@ def rowdot_parts(
     sq = alloc(splits, M, dtype=torch.float32, device=X.device) if compute_base else None
     if launch:
         grid = (cdiv(M, cfg.block_m), n_tiles, splits)
-        # Without the base term the kernel never writes sq_ptr, but it still gets a buffer of its
-        # own: passing ``part`` twice (two pointer arguments aliasing one tensor) made Inductor
-        # return a lora term of zeros under torch.compile (H200, torch 2.11: factored_norm's
-        # lora output rel_l2 1.0 against eager).
+        # An unwritten sq_ptr still gets its own buffer: passing ``part`` twice made Inductor
+        # return a lora term of zeros (H200, torch 2.11: rel_l2 1.0 against eager).
         sq_arg = sq if sq is not None else torch.empty(1, 1, dtype=torch.float32, device=X.device)
         launcher(_rowdot_kernel)[grid](
             part, part.stride(0), sq_arg, sq_arg.stride(0),
@@ -370,9 +352,8 @@ def rowdot_parts(
 
 
 def norm_finish(cross_part: torch.Tensor, sq: torch.Tensor, lora_part: torch.Tensor, scaling: float) -> torch.Tensor:
-    """The terms as the rows of one fp32 (4, M) tensor, (base, cross, lora, norm), from the
-    row-dot partials (``sq``: (splits, M)): one launch for the ordered sums and ``combine_terms``
-    (which took six ops on the host)."""
+    """(4, M) fp32 rows (base, cross, lora, norm) from the row-dot partials (``sq``: (splits, M)):
+    one launch for the ordered sums and ``combine_terms`` (six host ops)."""
     M = sq.shape[1]
     terms = torch.empty(4, M, dtype=torch.float32, device=sq.device)
     if M:
@@ -389,26 +370,22 @@ def norm_finish(cross_part: torch.Tensor, sq: torch.Tensor, lora_part: torch.Ten
 
 
 def cross_product_u(weight_rows: torch.Tensor, lora_A: torch.Tensor, pieces: int = 1) -> torch.Tensor:
-    """U = W·Aᵀ in fp32 for 16-bit W: (d_out, r), or with ``pieces`` = 2 (A of another dtype than
-    W) (d_out, 2r), W·A_hiᵀ then W·A_loᵀ, where A_hi = A rounded to W's dtype and A_lo = (A − A_hi)
-    rounded to it (both roundings to nearest, as the row-dot kernel's split; the difference is
-    exact in fp32), one GEMM of 2r columns. cuBLAS with fp32 output (``aten::mm.dtype``: products
-    exact, fp32 accumulation, fp32 split-K partials, so the reduced-precision-reduction flags do
-    not apply). Under the interpreter (CPU tensors, where that overload does not exist) fp32
-    copies multiplied in fp32, the same arithmetic: the copies are d_out × d_in, acceptable only
-    at the interpreter's small shapes."""
-    # Outside autograd (the Triton launches are anyway): under grad mode a Parameter A would make
-    # the GEMM record a graph node at every norm. Under no_grad (an autograd Function's forward,
-    # a graph capture) nothing is recorded, and a detach would be one more host op.
+    """U = W·Aᵀ in fp32 for 16-bit W: (d_out, r), or with ``pieces`` = 2 (A of another dtype)
+    (d_out, 2r), W·A_hiᵀ then W·A_loᵀ, A_hi = A rounded to W's dtype and A_lo = (A − A_hi)
+    rounded to it (to nearest, as the row-dot kernel splits; the difference is exact in fp32).
+    cuBLAS with fp32 output (``aten::mm.dtype``: exact products, fp32 accumulation and split-K
+    partials, so the reduced-precision flags do not apply). Under the interpreter (CPU, no such
+    overload) d_out × d_in fp32 copies, the same arithmetic, fine at its small shapes."""
+    # Outside autograd: under grad mode a Parameter A would record a graph node at every norm
+    # (under no_grad nothing is recorded, and a detach would be one more host op).
     if torch.is_grad_enabled():
         lora_A = lora_A.detach() if lora_A.requires_grad else lora_A
         weight_rows = weight_rows.detach() if weight_rows.requires_grad else weight_rows
     if pieces == 2:
         r = lora_A.shape[0]
         split = torch.empty(2 * r, lora_A.shape[1], dtype=weight_rows.dtype, device=lora_A.device)
-        # Without forward-mode AD: a dual A (under fwAD.dual_level) would make the split dual, and
-        # torch.sub has no forward AD with out= (it raised). The norm carries no tangent either
-        # way, as its Triton launches do not.
+        # Without forward-mode AD: a dual A would make the split dual, and torch.sub has no
+        # forward AD with out= (it raised); the norm carries no tangent anyway.
         with _set_fwd_grad_enabled(False):
             split[:r] = lora_A
             # A − A_hi computed in A's dtype (or fp32, by promotion: exact) and rounded once as
@@ -422,9 +399,8 @@ def cross_product_u(weight_rows: torch.Tensor, lora_A: torch.Tensor, pieces: int
 
 def norm_from_u(weight_rows: torch.Tensor, U: torch.Tensor, lora_B: torch.Tensor, lora_part: torch.Tensor, scaling: float,
                 pieces: int = 1) -> torch.Tensor:
-    """(4, d_out) fp32 rows (base, cross, lora, norm) from W's rows (Σ W² is read here), U = W·Aᵀ (cross = Σ B⊙U; ``pieces`` = 2:
-    U of 2r columns from ``cross_product_u``) and the lora term's row-dot partials: one launch
-    (``_norm_from_u_kernel``)."""
+    """(4, d_out) fp32 rows (base, cross, lora, norm) from W's rows (Σ W²), U = W·Aᵀ (Σ B⊙U;
+    ``pieces`` = 2: U of 2r columns) and the lora row-dot partials: one ``_norm_from_u_kernel``."""
     M, K = weight_rows.shape
     N = U.shape[1] // pieces
     terms = torch.empty(4, M, dtype=torch.float32, device=U.device)
@@ -446,18 +422,12 @@ def norm_from_u(weight_rows: torch.Tensor, U: torch.Tensor, lora_B: torch.Tensor
 def terms_from_gram(
     weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, G: torch.Tensor, scaling: float, fan_in_fan_out: bool,
 ) -> torch.Tensor:
-    """(4, d_out) fp32 rows (base, cross, lora, norm) given G = A·Aᵀ: the launches of the norm
-    after the Gram product.
-
-    16-bit W (``settings.cublas_cross_pieces``): U = W·Aᵀ from cuBLAS (A split into two pieces
-    of W's dtype when it has another dtype), then one launch for Σ W², Σ B⊙U and the finish
-    (``norm_from_u``). fp32 W: one row-dot launch for the base and cross terms (tf32x3) and one
-    for the finish (``norm_finish``)."""
+    """(4, d_out) fp32 rows (base, cross, lora, norm) given G = A·Aᵀ: the launches after the
+    Gram product, by the two paths of the module docstring."""
     W_rows = weight.t() if fan_in_fan_out else weight
-    # lora_i = Σ_j B_ij·(B·G)_ij: the row-dot kernel with X = B (dots in W's 16-bit dtype when B
-    # is an exact 16-bit adapter; tf32x3 for fp32 B), Y = G (split hi + lo), C = B.
-    # fp16 B would split G into fp16 pieces, which overflow once ||A_i||² > 65504: use B in fp32
-    # (tf32x3; this GEMM has K = r, so it is cheap) unless B is bf16, whose range is fp32's.
+    # lora_i = Σ_j B_ij·(B·G)_ij: row-dot with X = B, Y = G (split in pieces), C = B. fp16 pieces
+    # of G overflow once ||A_i||² > 65504, so fp16 B runs in fp32 (tf32x3; K = r, cheap); bf16
+    # has fp32's range.
     B_dot = lora_B if lora_B.dtype != torch.float16 else lora_B.float()
     lora_part, _ = rowdot_parts(B_dot, (B_dot.stride(0), B_dot.stride(1)), G, B_dot, compute_base=False, pieces=3)
     pieces = cublas_cross_pieces(weight.dtype, lora_A.dtype)

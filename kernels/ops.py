@@ -1,38 +1,24 @@
 """The Triton kernels as torch.library custom ops, so torch.compile sees ops, not Python.
 
-Each op is a functional ``torch.library.custom_op``: torch.compile and torch.export keep it as
-one node, and a compiled graph calls it, which launches its kernels as eager code does
-(``_register`` says why not ``triton_op``; ``DORACHECK_TRACE_KERNELS=1`` brings that back).
-Each op's fake (meta) implementation allocates its outputs and computes nothing, so no tile
-choice becomes a guard on symbolic shapes (``_register`` says why); ``grad_scale_dm``'s unsummed
-partials, one row per token block, take the block from ``settings.grad_config`` as the kernel does.
+Each op is a functional ``torch.library.custom_op`` (no argument mutated): torch.compile and
+torch.export keep it as one node, which launches its kernels as eager code does. Its fake
+(meta) implementation only allocates its outputs (``_register`` says why, and why not
+``triton_op``, which ``DORACHECK_TRACE_KERNELS=1`` brings back); ``grad_scale_dm``'s fake takes
+the token block of its partials from ``settings.grad_config`` as the kernel does.
 
-In eager mode the functions below call the implementations directly (``call``): going
-through the dispatcher and ``wrap_triton`` costs about 0.2 ms of CPU per call, which would
-dominate decode (T = 1) on an H200. They run with the tensors' device made current where it is
-not (``launch_device``): Triton launches on the current device.
+In eager, ``call`` runs the implementations directly (the dispatcher and ``wrap_triton`` cost
+about 0.2 ms of CPU per call, which would dominate decode (T = 1) on an H200), on the tensors'
+device (``launch_device``), and writes y in place into the base output (``lora_up_compose_``,
+``lora_up_compose_save_z_``: no T×d_out buffer). While tracing it calls the functional op
+(callers use the returned tensor either way), so a graph needs no mutation analysis and
+Inductor plans the buffers. Traced launches never pass one tensor as two pointer arguments
+(that made Inductor miscompute the norm: ``norm_triton.rowdot_parts``); in eager an unread
+pointer may repeat another (``triton_common.unused_pointer``).
 
-Every registered op is functional (no argument is mutated). In eager, ``call`` writes y in
-place into the base output (``lora_up_compose_`` and ``lora_up_compose_save_z_``, saving a
-T×d_out buffer); while tracing it calls the functional op and returns a new y, and callers
-use the returned tensor either way, so a traced graph needs no mutation analysis for these
-buffers and leaves buffer reuse to Inductor. Kernel launches traced into a graph
-(``DORACHECK_TRACE_KERNELS=1``) never pass one tensor as two pointer arguments: that made
-Inductor miscompute the norm (norm_triton.rowdot_triton says how);
-in eager a pointer the kernel never reads may repeat another (``triton_common.unused_pointer``).
-
-Ops (namespace ``doracheck``):
-- ``factored_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out) -> terms``: the (4, d_out) fp32
-  rows (base, cross, lora, norm)
-- ``lora_up_compose(base, xa, lora_B, g, bias?, scaling) -> y``
-- ``lora_up_compose_save_z(base, xa, lora_B, g, bias?, scaling, base_has_bias) -> (y, z)``: also
-  z = base + s·lora (with ``base_has_bias`` base is x·Wᵀ + b, as a PEFT base layer returns it)
-- ``lora_up_compose_dropout(base, base_dropped, xa, lora_B, g, bias?, scaling) -> (y, z_d)``
-- ``grad_scale_dm(dy, saved, g, n, bias?, from_output, final_dm, reduce) -> (dz, dm_sum or dm, or their partials)``;
-  the registered op returns the partials flat, (P·d_out,) (``_grad_scale_dm_flat_parts`` says why)
-- ``dm_finish(parts, dy, x, weight_rows, xa, lora_B, g, n, scaling, out_dtype) -> dm``: the partial
-  sums ((P, d_out), or flat from the registered ``grad_scale_dm``) added up, the features whose z the saved output lost (g = 0, n >= eps) recomputed, in
-  ``out_dtype``
+Ops (namespace ``doracheck``, registered below; meanings as in ``backends``' docstring):
+factored_norm ((4, d_out) fp32 rows base, cross, lora, norm), lora_up_compose,
+lora_up_compose_save_z (y, z), lora_up_compose_dropout (y, z_d), grad_scale_dm (unsummed
+partials flat: ``_grad_scale_dm_flat_parts``), dm_finish.
 """
 
 from __future__ import annotations
@@ -128,11 +114,10 @@ def _dm_finish(
     return dm_finish_triton(parts, dy, x, weight_rows, xa, lora_B, g, n, scaling, out_dtype)
 
 
-# The registered forms of the two: the unsummed partials travel flat, (P·d_out,), not (P, d_out).
-# P is the number of token blocks, ceil(T / block); with a symbolic T torch's contiguity check of
-# a (P, d_out) tensor guards on P == 1 (a size-1 dimension's stride is ignored), so a compiled
-# graph recompiled between T <= block and T > block (seen on the H200: two graphs over T = 3..1030,
-# block 64). A flat length P·d_out is never 1 (d_out >= 2 is static), so no guard.
+# Registered forms: unsummed partials travel flat, (P·d_out,), P = ceil(T / block). With a
+# symbolic T, torch's contiguity check of a (P, d_out) tensor guards on P == 1, so a graph
+# recompiled between T <= block and T > block (H200: two graphs over T = 3..1030, block 64).
+# A flat P·d_out is never 1 (d_out >= 2 is static): no guard.
 def _grad_scale_dm_flat_parts(
     dy: torch.Tensor, saved: torch.Tensor, g: torch.Tensor, n: torch.Tensor, bias: torch.Tensor | None, from_output: bool,
     final_dm: bool = False, reduce: bool = True,
@@ -156,13 +141,10 @@ def _dm_finish_flat_parts(
 
 
 def launch_device(args) -> int | None:
-    """The CUDA device the eager launches of a call on ``args`` must be made on, where it is not
-    the current device (else None): the first tensor's. Triton launches on the *current* device
-    and its current stream, whatever device the tensors live on, and a model that accelerate's
-    ``device_map`` spreads over several GPUs runs its layers without switching the current
-    device: without this guard the kernels of a layer on cuda:1 would run on cuda:0's stream,
-    unordered with the work that produced their inputs (or fail on pointers cuda:0 cannot
-    reach)."""
+    """The CUDA device (the first tensor's) the eager launches on ``args`` must be made on, where
+    it is not the current device, else None. Triton launches on the *current* device's stream,
+    and accelerate's ``device_map`` runs layers on several GPUs without switching it: a layer on
+    cuda:1 would run on cuda:0's stream, unordered with its inputs' producers (or fail)."""
     for a in args:
         if isinstance(a, torch.Tensor):
             if not a.is_cuda:
@@ -216,19 +198,16 @@ def _dm_finish_fake(parts, dy, x, weight_rows, xa, lora_B, g, n, scaling, out_dt
 def _register(name: str, body: Callable[..., Any], fake: Callable[..., Any]):
     """``doracheck::name`` as a functional op with fake (meta) implementation ``fake``.
 
-    Opaque by default (``torch.library.custom_op``): a compiled graph calls the op, and the op
-    launches its kernels as eager code does (the TMA compose where it applies).
-    With ``DORACHECK_TRACE_KERNELS=1`` in the environment at import, ``torch.library.triton_op``
-    instead: Inductor traces into the body and launches the kernels from its own generated code.
-    Why opaque: Inductor runs Triton's front end on every traced launch of a ``triton_op`` to
-    learn which arguments the kernel writes (``identify_mutated_tensors``, uncached: 690 TTIR
-    generations in the first compiled step of the 4-layer benchmark model, torch 2.11), which made doracheck's compile
-    twice PEFT DoRA's; these ops declare that they mutate nothing, so there is nothing to learn.
-    Why a ``fake`` that only allocates: the body picks its tiles from the shapes (T <= 16 for
-    decode, the number of token blocks), and on symbolic shapes (``torch.compile(dynamic=True)``,
-    or a second sequence length) each such choice becomes a guard, hence a recompile per tile
-    bucket; the outputs' shapes do not depend on those choices. ``tests/kernels/test_ops_fakes.py`` runs
-    ``torch.library.opcheck`` on each op, which compares the fake's outputs with the real ones."""
+    Opaque by default (``torch.library.custom_op``: the op launches its kernels as eager code
+    does, the TMA compose included); with ``DORACHECK_TRACE_KERNELS=1`` at import,
+    ``torch.library.triton_op``, which Inductor traces into. Why opaque: Inductor runs Triton's
+    front end on every traced ``triton_op`` launch to learn which arguments it writes
+    (``identify_mutated_tensors``, uncached: 690 TTIR generations in the first compiled step of
+    the 4-layer benchmark model, torch 2.11), making doracheck's compile twice PEFT DoRA's;
+    these ops mutate nothing. Why a ``fake`` that only allocates: the body picks tiles from the
+    shapes (T <= 16, the token blocks), and on symbolic shapes each choice would become a guard,
+    a recompile per tile bucket; the output shapes do not depend on them
+    (``tests/kernels/test_ops_fakes.py`` runs ``torch.library.opcheck`` on each op)."""
     if _TRACE_KERNELS:
         return triton_op(f"doracheck::{name}", _guarded(body), mutates_args=())
     op = torch.library.custom_op(f"doracheck::{name}", _guarded(body), mutates_args=())
@@ -259,7 +238,6 @@ _EAGER: dict[str, Callable[..., Any]] = {
     "grad_scale_dm": _grad_scale_dm,
     "dm_finish": _dm_finish,
 }
-
 
 _TRACED = {
     "lora_up_compose_": "lora_up_compose", "lora_up_compose_save_z_": "lora_up_compose_save_z",

@@ -4,13 +4,11 @@ NORM_CHUNK_BYTES: budget for the fp32 W chunk (and its square) of the torch fact
   Keeps the fallback's extra memory far below a dense d_out × d_in temporary while keeping
   each chunk GEMM large (at d_out = 8192 a 32 MiB budget gives 512-column chunks).
 
-Triton configs are chosen ahead of time (no ``triton.autotune``: its trials would run on
-real arguments, and under the interpreter it cannot benchmark). Under TRITON_INTERPRET=1
-the same functions return small blocks so CPU runs stay quick.
+Triton configs are chosen ahead of time (no ``triton.autotune``: its trials would run on real
+arguments, and the interpreter cannot benchmark); under TRITON_INTERPRET=1 they are small blocks.
 
-The figures below were measured on an NVIDIA H200 with torch 2.11 and triton 3.6. The probe
-scripts and raw result files that produced them are in the repository history (``benchmarks/``
-at commit 152454a).
+Figures: NVIDIA H200, torch 2.11, triton 3.6; probe scripts and raw results in ``benchmarks/``
+at commit 152454a.
 """
 
 from __future__ import annotations
@@ -26,10 +24,8 @@ NORM_CHUNK_BYTES = 32 * 1024 * 1024
 
 def _interpreting() -> bool:
     """Whether the kernels are interpreted: the kernel modules' own answer (fixed when triton
-    decorated them; the configurations below are asked for only by those modules), else the
-    environment. Reading the environment at each call could disagree with the kernels if
-    TRITON_INTERPRET changed after they were decorated, and hand interpreter tiles to compiled
-    kernels (tiles narrower than 64 computed the norm wrong on the H200, below)."""
+    decorated them), else the environment, which may have changed since and would hand
+    interpreter tiles to compiled kernels (tiles narrower than 64 got the norm wrong, below)."""
     common = sys.modules.get("doracheck.kernels.triton_common")
     if common is not None:
         return common.interpreting()
@@ -84,40 +80,29 @@ class GradConfig(NamedTuple):
 
 
 # Sub-tiled and split-K row-dot configs (RowdotConfig.n_sub, .split_k) for 256 < N <= 384, H200,
-# 8192×8192, r = 384, bf16, GPU time from graph replays: three 128-wide sub-tiles with K split in
-# two, 64×128×64, 8 warps, 3 stages: 132.7 µs; a padded 128×256 tile: 134.6-136.1 µs in the same
-# runs (a 2% difference, within the spread); 128×128 tiles 163.6 µs (split in two: 145.8); 64-row
-# sub-tiles with 4 warps 239.7; 128-row sub-tiles (register-bound) 268.8. Not adopted: the gain is
-# noise, that path has not run under compute-sanitizer on the GPU, and tiles wider than 64 get
-# the cross term wrong on triton 3.6 (``rowdot_config``). CI runs both variants under the
-# interpreter.
+# 8192×8192, r = 384, bf16, graph replays: three 128-wide sub-tiles, K split in two, 64×128×64,
+# 8 warps, 3 stages: 132.7 µs; a padded 128×256 tile: 134.6-136.1 (within the spread); 128×128
+# 163.6 (split in two: 145.8); 64-row sub-tiles, 4 warps 239.7; 128-row (register-bound) 268.8.
+# Not adopted: the gain is noise, that path has not run under compute-sanitizer on the GPU, and
+# tiles wider than 64 get the cross term wrong (below). CI runs both under the interpreter.
 
 
 def rowdot_config(M: int, N: int, K: int, x_dtype, split_lo: int) -> RowdotConfig:
-    """Tiles of the norm GEMMs (X·Yᵀ with a row-reduction epilogue).
-
-    H200, M = K = 8192, N = 384, bf16: the 64-wide tiles take 127 µs. The padded 128×256×64 tile
-    (8 warps, 3 stages: 134.6-136.1 µs, above) computes the cross term wrongly (below), so it is
-    no alternative.
-    """
+    """Tiles of the norm GEMMs (X·Yᵀ with a row-reduction epilogue). H200, M = K = 8192, N = 384,
+    bf16: 127 µs (the padded 128×256×64 tile, 134.6-136.1 µs above, gets the cross term wrong)."""
     if _interpreting():
-        # Three 16-wide sub-tiles where N needs exactly that, so CI runs the sub-tiled kernel too.
-        # And K split in two past 32, so CI runs the split-K partials.
+        # Three 16-wide sub-tiles where N needs them and K split in two past 32, so CI runs both.
         return RowdotConfig(16, 16, 16, 1, 1, 3 if (split_lo == 1 and 32 < N <= 48) else 1, 2 if K > 32 else 1)
-    # BLOCK_N at most 64: with 128- and 256-wide tiles (8 warps) the cross term came out wrong
-    # and different from call to call on the H200 (triton 3.6; 4096 rows, K = 4096: r = 100..1024
-    # off by 3e-2..5e-1 relative, not bitwise repeatable), while 64-wide tiles matched fp64 to
-    # 4.4e-6 and repeated bitwise at every r probed (16..1024), in 35-132 µs against 34-131 µs.
-    # Those wide tiles, not cuBLAS, break the whole-layer bitwise determinism test (r = 128).
-    # And exactly 64 wide below that too: 32-wide tiles (N = 25..32) got the cross term 0.4-1.3%
-    # wrong and not repeatable at r = 32 (not at r = 24) on the H200 (triton 3.6; 640×384 and
-    # 4096×4096: 32-wide tiles err 5.8e-3 / 4.8e-3, 64-wide 3.6e-7 / 4.4e-6 and bitwise
-    # repeatable at r = 8..96; a test comparing two eager calls shows it). Masked columns cost
-    # little at r <= 32.
-    # At the benchmark model's shapes (14336x4096, 4096x14336, 4096² at r 384/128/16): 128x128
-    # (8 warps), 128x256, 64x128 and 64x128 in three sub-tiles all 0.9-68% wrong, 128x128 with
-    # 4 warps right but not bitwise repeatable at 14336 rows; right and repeatable everywhere only
-    # 128x64 (this), 256x64 and 128x64 with BLOCK_K 128, neither faster.
+    # BLOCK_N exactly 64. 128- and 256-wide tiles (8 warps) got the cross term wrong and not
+    # repeatable (4096 rows, K = 4096, r = 100..1024: 3e-2..5e-1 relative; they, not cuBLAS, broke
+    # the layer's bitwise determinism test at r = 128), while 64-wide tiles matched fp64 to 4.4e-6,
+    # bitwise repeatable at r = 16..1024, in 35-132 µs against 34-131. 32-wide tiles (N = 25..32)
+    # were 0.4-1.3% wrong and not repeatable at r = 32 (640×384 and 4096²: 5.8e-3 / 4.8e-3, 64-wide
+    # 3.6e-7 / 4.4e-6, repeatable at r = 8..96); masked columns cost little at r <= 32.
+    # Benchmark model shapes (14336x4096, 4096x14336, 4096² at r 384/128/16): 128x128 (8 warps),
+    # 128x256, 64x128 and 64x128 in three sub-tiles 0.9-68% wrong, 128x128 with 4 warps right but
+    # not repeatable at 14336 rows; right and repeatable everywhere only 128x64 (this), 256x64 and
+    # 128x64 with BLOCK_K 128, neither faster.
     block_n = 64
     stages = 3 if (N > 128 or split_lo > 1 or x_dtype.itemsize == 4) else 4
     block_k = 32 if x_dtype.itemsize == 4 else 64
@@ -128,13 +113,11 @@ HAS_MM_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # cuBLAS GEMM with fp32 outp
 
 
 def cublas_cross_pieces(weight_dtype: torch.dtype, lora_A_dtype: torch.dtype) -> int:
-    """How the norm's cross term is formed: 0, by the row-dot kernel (fp32 W, or a torch without
-    cuBLAS's fp32-output GEMM); 1, from U = W·Aᵀ by cuBLAS with fp32 output and a row reduction
-    (``norm_triton.norm_from_u``), A of W's 16-bit dtype; 2, the same with A split into two
-    pieces of W's dtype (hi = A rounded, lo = the rest rounded: 16 significant bits in bf16, as
-    the row-dot kernel splits it), U = W·[A_hi; A_lo]ᵀ as one GEMM of 2r columns, and
-    U_hi + U_lo summed in fp32 by the reduction (fp32 adapters on 16-bit W, PEFT's default, and
-    the other 16-bit dtype).
+    """How the norm's cross term is formed: 0, by the row-dot kernel (fp32 W, or no cuBLAS
+    fp32-output GEMM); 1, from U = W·Aᵀ by cuBLAS with fp32 output and a row reduction
+    (``norm_triton.norm_from_u``), A of W's 16-bit dtype; 2, the same with A of another dtype
+    (fp32 adapters on 16-bit W, PEFT's default) split into hi + lo pieces of W's dtype,
+    U = W·[A_hi; A_lo]ᵀ as one GEMM of 2r columns (``norm_triton.cross_product_u``).
 
     H200, bf16, r = 384, µs: the row-dot kernel with the base term fused (128×64 tiles, the only
     ones right with it) 195.8 / 213.8 / 69.3 at 14336×4096 / 4096×14336 / 4096²; cuBLAS's W·Aᵀ alone
@@ -260,14 +243,10 @@ def triton_norm_memory_bound(d_out: int, d_in: int, r: int, lora_B_dtype: torch.
                              split_adapters: bool = False) -> int:
     """Bytes the Triton factored norm allocates: the Gram partials (splits, r, r) and G, the
     per-column-tile partials of cross and lora (2 × n_tiles × d_out), Σ W², the four term vectors
-    and four d_out vectors of slack (the layer's max(n, eps) and g);
-    plus an fp32 copy of B (d_out × r) when B is fp16 (the lora term's GEMM runs on it, since
-    fp16 pieces of G would overflow; norm_triton.factored_norm_triton).
-    On 16-bit W (``cublas_cross_pieces``) U = W·Aᵀ in fp32 (d_out × r) takes the place of the
-    cross term's partials; the bound counts both, whichever path runs. ``split_adapters``: A is
-    of another dtype than W (fp32 adapters on bf16 W) and is split into two pieces of W's dtype
-    (2 × r × d_in 16-bit values; the low piece is rounded as it is stored, with no temporary),
-    with U of 2r columns."""
+    and four d_out vectors of slack (the layer's max(n, eps) and g); an fp32 copy of B (d_out × r)
+    when B is fp16 (``norm_triton.terms_from_gram``); U = W·Aᵀ in fp32 (d_out × r) on 16-bit W
+    (counted beside the cross partials, whichever path runs). ``split_adapters`` (A of another
+    dtype than W): A's two 16-bit pieces (2 × r × d_in, no temporary) and U of 2r columns."""
     cfg = gram_config(r, d_in)
     n_tiles = -(-r // 64) if r else 1  # partial rows per term: 64-wide row-dot tiles (rowdot_config), split K = 1
     b_copy = d_out * r if lora_B_dtype == torch.float16 else 0

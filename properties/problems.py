@@ -156,6 +156,8 @@ def cases_for(dtype: torch.dtype, device, profile: str = "quick") -> list[Proble
             cases.append(make_case(24, 40, 8, 6, dtype, adapter_dtype=torch.float32, seed=7 + seed, device=device))
     for j, kind in enumerate(("dynamic_range", "fresh", "zero_rows", "cancel")):
         cases.append(make_problem(19, 29, 4, 5, dtype, kind=kind, seed=300 + j, device=device, fan_in_fan_out=j == 1))
+    # A square transposed weight: reading it as (d_out, d_in) regardless is a wrong answer, not a shape error.
+    cases.append(make_problem(24, 24, 4, 5, dtype, seed=400, device=device, fan_in_fan_out=True))
     if profile == "full":
         for j, kind in enumerate(KINDS):
             cases.append(make_problem(33, 47, 6, 9, dtype, kind=kind, seed=500 + j, device=device, fan_in_fan_out=j % 2 == 1))

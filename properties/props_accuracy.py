@@ -19,6 +19,7 @@ import torch
 from doracheck.reference import dora_forward_ref, norm_terms_ref, output_conditions, peft_style_dora, rel_l2
 
 from .budgets import budget_for, u
+from .diagnosis import explaining, rel_distance, verdict
 from .problems import Problem, make_problem
 from .props_common import Implementation, _dtype_name, _field, _grads, _na, _result, _worse
 from .results import CheckResult
@@ -135,8 +136,14 @@ def worst_gradient_entry(f: Callable[..., torch.Tensor], leaves: list[torch.Tens
     return worst if worst is not None else (math.inf, "no inputs")
 
 
+DROPOUT_P = 0.1
+
+
 def backward_vs_oracle(impl: Implementation, problems: list[Problem], family: str) -> list[CheckResult]:
-    """Forward y and the gradients of x, A, B, m, b against the fp64 oracle (relative L2).
+    """Forward y and the gradients of x, A, B, m, b against the fp64 oracle (relative L2), on
+    every problem and once more on the first in training with LoRA dropout (a supplied keep-mask,
+    p = ``DROPOUT_P``: PEFT's semantics, so the dropout path's forward and gradients are judged).
+    A failing case carries its cause (``diagnosis``: the known deviation that reproduces it).
 
     "cancel" problems are left out: where W cancels s·B·A, x·Wᵀ and s·(x·Aᵀ)·Bᵀ cancel too,
     and any implementation that rounds them to a 16-bit dtype (all do) loses digits in
@@ -147,25 +154,48 @@ def backward_vs_oracle(impl: Implementation, problems: list[Problem], family: st
     dt = _dtype_name(problems[0].x.dtype)
     worst: dict[str, tuple[float, float, str]] = {}  # prop -> (error, its budget, label); worst = least margin
     left_to_edge: list[str] = []
-    for i, p in enumerate(problems):
+    raised: list[str] = []
+    first_error: Exception | None = None
+    runs = [(p, {}, p.label) for p in problems]
+    first = problems[0]  # LoRA dropout in training, with a supplied keep-mask (PEFT's semantics)
+    keep = torch.rand(first.x.shape, generator=torch.Generator().manual_seed(77)) > DROPOUT_P
+    runs.append((first, {"training": True, "dropout_p": DROPOUT_P, "dropout_mask": keep.to(first.x.device)},
+                 f"{first.label}, dropout p = {DROPOUT_P}"))
+    for i, (p, kw, label) in enumerate(runs):
         kappa = conditioning(p)
         gen = torch.Generator().manual_seed(1000 + i)
         dy = torch.randn(*p.x.shape[:-1], p.weight_rows.shape[0], generator=gen).to(p.x.device, p.x.dtype)
-        y, grads = _grads(impl.dora_linear, p, dy, lambda t: t.detach().clone())
+        try:
+            y, grads = _grads(impl.dora_linear, p, dy, lambda t: t.detach().clone(), **kw)
+        except Unsupported:
+            raise
+        except Exception as exc:  # noqa: BLE001  (a crash on one case fails the property; the others still run)
+            raised.append(f"{label}: {type(exc).__name__}: {str(exc)[:160]}")
+            first_error = first_error or exc
+            continue
         if _zero_row_nan(p, y):
             left_to_edge.append(p.label)
             continue
-        y_ref, grads_ref = _grads(dora_forward_ref, p, dy, lambda t: t.detach().double())
+        y_ref, grads_ref = _grads(dora_forward_ref, p, dy, lambda t: t.detach().double(), **kw)
         errors = {"forward.y": rel_l2(y, y_ref)}
         errors.update({f"backward.{k}": rel_l2(grads[k], grads_ref[k]) for k in grads})
         rho = output_conditions(p.x, p.weight, p.lora_A, p.lora_B, p.magnitude, p.scaling, p.bias, dy, fan_in_fan_out=p.fan_in_fan_out)
+        buds = {prop: a_priori_bound(budget_for(*prop.split("."), dt, family), rho[prop.split(".")[1]], kappa) for prop in errors}
+        cause = ""
+        if any(not err <= buds[prop] for prop, err in errors.items()):  # a failure here: name its cause
+            tolerances = {prop.split(".")[1]: bud for prop, bud in buds.items()}
+            cause = " — " + verdict(explaining(impl, p, rel_distance(tolerances), dy, **kw))
         for prop, err in errors.items():
-            op, output = prop.split(".")
-            bud = a_priori_bound(budget_for(op, output, dt, family), rho[output], kappa)
+            bud = buds[prop]
             if prop not in worst or _worse(err / bud, worst[prop][0] / worst[prop][1]):
-                worst[prop] = (err, bud, f"{p.label} (κ {kappa:.3g})")
+                worst[prop] = (err, bud, f"{label} (κ {kappa:.3g}){cause if not err <= bud else ''}")
     note = f"; {len(left_to_edge)} problem(s) with zero rows, NaN there: judged by edge.zero_row" if left_to_edge else ""
-    return [_result(prop, dt, err, bud, len(problems) - len(left_to_edge), f"worst: {label}{note}") for prop, (err, bud, label) in worst.items()]
+    if first_error is not None and len(raised) == len(runs):
+        raise first_error  # it never ran: its own traceback says more than a row
+    rows = [_result(prop, dt, err, bud, len(runs) - len(left_to_edge), f"worst: {label}{note}") for prop, (err, bud, label) in worst.items()]
+    if raised:
+        rows.append(CheckResult("accuracy.raised", dt, False, math.inf, 0.0, len(raised), f"raised on {len(raised)} case(s): {raised[0]}"))
+    return rows
 
 
 def _zero_row_nan(p: Problem, y: torch.Tensor) -> bool:

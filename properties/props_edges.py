@@ -7,13 +7,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from doracheck.reference import dora_forward_ref, rel_l2
 
-from .budgets import budget_for
+from .budgets import budget_for, u
+from .diagnosis import explaining, rel_distance, verdict
 from .problems import make_problem
 from .props_common import Implementation, _call, _dtype_name, _field, _grads, _na, _result, _worst_of
 from .results import CheckResult
@@ -89,10 +91,18 @@ def determinism_edges(impl: Implementation, dtype: torch.dtype, family: str, dev
         _result("edge.T1_consistent", dt, one_err, fwd, 1, "y(x[:1]) vs y(x)[:1]"),
         _result("edge.noncontiguous", dt, nc_err, fwd, 1, "transposed (non-contiguous) x"),
         _result("edge.3d", dt, flat_err, fwd, 1, "3-D x vs flattened"),
-        CheckResult("edge.zero_row", dt, zero_ok, 0.0 if zero_ok else 1.0, 0.0, 1, "a zero row of W and B gives 0, not NaN"),
+        CheckResult("edge.zero_row", dt, zero_ok, 0.0 if zero_ok else 1.0, 0.0, 1,
+                    "a zero row of W and B gives 0, not NaN" + ("" if zero_ok else " — " + _zero_row_cause(impl, p, yz, W, B, fwd))),
         CheckResult("edge.nan_inf", dt, nan_ok, 0.0 if nan_ok else 1.0, 0.0, 1, "NaN/Inf in x reach that row only"),
     ]
     return results
+
+
+def _zero_row_cause(impl: Implementation, p, y_zero, W, B, forward_budget: float) -> str:
+    """The failure's cause on the zero-row problem (no bias: y is 0 there in the contract)."""
+    zero = replace(p, weight=W, lora_B=B, bias=None)
+    tolerance = 4 * u(_dtype_name(p.x.dtype)) + forward_budget  # the activation dtype's roundings, a naive compose's
+    return verdict(explaining(impl, zero, rel_distance({"y": tolerance})))
 
 
 # 9 ---------------------------------------------------------------------------------------

@@ -1,13 +1,11 @@
 """``doracheck audit``: health and numerical audit of DoRA checkpoints (safetensors only).
 
-``audit_path(path, base=None, config=None, device="auto")`` returns an ``AuditReport``;
-one module's tensors are in memory at a time. ``AuditInputError`` means unusable input: a
-pickle checkpoint, a hostile or corrupt file, a config value of the wrong type, or a ``base``
-that matches none of the adapter's DoRA modules.
-
-A plain LoRA adapter (no module has a magnitude vector and the config does not say
-``use_dora: true``) is not an input error: its structure and values are still checked, and
-``AuditReport.plain_lora`` plus a note say that nothing DoRA-specific was audited.
+``audit_path(path, base=None, config=None, device="auto")`` returns an ``AuditReport``, one
+module's tensors in memory at a time. ``AuditInputError`` means unusable input: a pickle
+checkpoint, a hostile or corrupt file, a wrongly typed config value, or a ``base`` matching none
+of the adapter's DoRA modules. A plain LoRA adapter (no magnitude vector, no ``use_dora: true``)
+is not an input error: its structure and values are checked, and ``AuditReport.plain_lora`` plus
+a note say that nothing DoRA-specific was audited.
 """
 
 from __future__ import annotations
@@ -92,9 +90,9 @@ def audit_path(
     keep_arrays: bool = False,
 ) -> AuditReport:
     """Audit every DoRA module of the adapter at ``path`` (a file, or a folder holding
-    adapter_model.safetensors and usually adapter_config.json). ``progress(i, total, name)``
-    is called before each module; ``keep_arrays`` keeps per-feature vectors for plots.
-    A path that cannot be read (no permission, a name too long) is an ``AuditInputError``."""
+    adapter_model.safetensors and usually adapter_config.json); an unreadable path is an
+    ``AuditInputError``. ``progress(i, total, name)`` runs before each module; ``keep_arrays``
+    keeps per-feature vectors for plots."""
     try:
         return _audit(Path(path), base, config, _device(device), progress, keep_arrays)
     except BrokenPipeError:  # the caller's output went away (a progress callback): not an input problem

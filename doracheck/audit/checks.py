@@ -2,38 +2,32 @@
 
 Check ids (severity):
   structure.missing (error)     A, B or the magnitude is absent
-  structure.dtype (error)       a tensor is not fp16, bf16, fp32 or fp64: an integer or bool tensor,
-                                or fp8 and other floats the audit does not compute in
+  structure.dtype (error)       a tensor is not fp16, bf16, fp32 or fp64 (integer, bool, fp8, ...)
   structure.shape (error)       A (r, d_in), B (d_out, r), m (d_out,), W (d_out, d_in) disagree, or
-                                a dimension is 0 (an empty module: numerical checks skipped)
+                                a dimension is 0 (numerical checks skipped)
   structure.rank (error)        r differs from adapter_config.json (r / rank_pattern)
   config.missing (warning)      no adapter_config.json: scaling unknown, numerics skipped
   finite.<tensor> (error)       NaN / Inf entries, counted per tensor
   magnitude.nonpositive (error) entries <= 0 (a zero kills the feature, a negative flips it)
   magnitude.tiny (warning)      entries below 1e-6 of the median
-  base.missing (info/warning)   no --base given (info) / this module's weight not in the base (warning);
-                                a base matching none of the modules is an input error (exit 2)
+  base.missing (info/warning)   no --base (info) / this module's weight not in the base (warning)
   norm.zero (warning)           ||W + s·B·A|| = 0 rows: PEFT's DoRA gives NaN there
   norm.near_zero (warning)      rows below 1e-6 of the median norm
   norm.cancellation (warning)   (base + 2s|cross| + s²·lora) / n² > 1e3: W cancels s·B·A
   norm.terms (info)             the three terms and the norm
   scale.stats (info)            g = m / n statistics
-  base.mismatch (error)         the magnitudes do not follow this base's row norms (is --base the
-                                model the adapter was trained on?); see ``_base_agreement``
+  base.mismatch (error)         the magnitudes do not follow this base's row norms (``_base_agreement``)
   base.inconclusive (info)      s·B·A dominates W, so whether m belongs to this base cannot be told
-  scale.collapse_bf16/fp16 (info) of the features whose |g-1| exceeds the rounding noise
-                                (noise_floor), the share that rounds to exactly 1 in that dtype
+  scale.collapse_bf16/fp16 (info) share of the features above the noise floor whose g rounds to 1
   overflow.fp16/bf16 (warning/error) merged |W'_ij| <= m_i: headroom to the dtype's max
-  merge.ulp (info/warning)      merged-weight output vs the unmerged DoRA forward, in ulps of W's
-                                dtype (of fp32 for fp64: the merge is computed in fp32), and
-                                against the a-priori bound of one fp32 merge and one rounding;
-                                warning when the median exceeds 8 ulp or the bound is exceeded
+  merge.ulp (info/warning)      merged-weight output error in ulps of W's dtype (fp32 for fp64) and
+                                over its a-priori bound (``check_merge``); warning: median > 8 ulp or bound exceeded
   structure.not_dora (info)     a plain LoRA module (no magnitude, use_dora not true)
   format.kohya (info)           kohya/LyCORIS dora_scale: a different norm axis, not audited numerically
   memory (info)                 the norm's scratch: a dense fp32 d_out×d_in against the factored terms
 
-With ``keep_arrays`` the per-feature vectors behind the numbers (g - 1, the three norm terms,
-the merge errors) are kept in ``ModuleReport.arrays`` for plots; they are not in the JSON.
+``keep_arrays`` keeps the per-feature vectors (g - 1, the norm terms, the merge errors) in
+``ModuleReport.arrays`` for plots (not in the JSON).
 """
 
 from __future__ import annotations
@@ -162,10 +156,9 @@ def check_magnitude(report: ModuleReport, m: torch.Tensor) -> None:
 
 
 def magnitude_precision(m: torch.Tensor) -> tuple[str, float]:
-    """(name, machine epsilon) of the precision the stored magnitudes actually carry: the
-    narrowest of bf16 / fp16 that holds every value exactly (PEFT's init on a 16-bit base
-    rounds the norm to that dtype before storing it in fp32), else the storage dtype; never
-    finer than fp32, the precision g is computed in."""
+    """(name, machine epsilon) of the precision the magnitudes carry: the narrowest of bf16 /
+    fp16 holding every value exactly (PEFT's init on a 16-bit base rounds the norm to it before
+    storing fp32), else the storage dtype; never finer than fp32, g's precision."""
     names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
     if m.dtype in names:
         return names[m.dtype], torch.finfo(m.dtype).eps
@@ -245,16 +238,14 @@ def _base_agreement(report: ModuleReport, m: torch.Tensor, n: torch.Tensor, n_sh
     """``base.mismatch``: whether the stored magnitudes belong to this base.
 
     PEFT initialises m = ||W + s·B·A|| row by row (g = 1) and training moves each m_i by a
-    relative δ_i, so m follows the base's own row norms n. The same adapter over the base's rows
-    shifted by half the rows (``n_shifted``: row i of W paired with B·A's row i + d_out/2) is a
-    base of the right shapes whose rows do not belong to m, like a base of another seed. The check
-    fires when the base is informative (its rows matter: corr(n, n_shifted) < 0.5; an adapter whose
-    s·B·A dominates W makes every base look alike), m is not near PEFT's init for it (median
-    |g-1| > 0.02), and m follows n no better than it follows n_shifted (corr(m, n) - corr(m,
-    n_shifted) < 0.25). With the right base the excess is corr(m, n) itself, about c / sqrt(c² +
-    var δ) for a base whose row norms spread by a relative c, less a shuffle's noise of
-    1/sqrt(d_out); measured on a tiny LLaMA trained 100 steps (fp32 and bf16): corr 0.79-0.91, and
-    with a base of another seed an excess of -0.31 to 0.21 (tests/audit/test_audit_base.py)."""
+    relative δ_i, so m follows the base's row norms n. The base's rows shifted by half
+    (``n_shifted``: W's row i with B·A's row i + d_out/2) are a base of the right shapes whose
+    rows do not belong to m. Fires when the base is informative (corr(n, n_shifted) < 0.5; an
+    s·B·A that dominates W makes every base look alike), m is not near PEFT's init (median
+    |g-1| > 0.02), and corr(m, n) - corr(m, n_shifted) < 0.25. With the right base that excess
+    is about c / sqrt(c² + var δ) for row norms spreading by a relative c, less a shuffle's
+    noise 1/sqrt(d_out); a tiny LLaMA trained 100 steps (fp32, bf16): corr 0.79-0.91, and with a
+    base of another seed an excess of -0.31 to 0.21 (tests/audit/test_audit_base.py)."""
     rho, rho_shifted, informative = correlation(m.cpu(), n), correlation(m.cpu(), n_shifted), correlation(n, n_shifted)
     excess = None if rho is None or rho_shifted is None else rho - rho_shifted
     report.stats["base_agreement"] = {"correlation": rho, "correlation_shifted": rho_shifted, "excess": excess,
@@ -345,11 +336,10 @@ def _merge_block(x, xa, W_blk, B_blk, g_blk, A, s: float, dtype):
 
 def check_merge(report: ModuleReport, W, A, B, g, scaling: float, fan_in_fan_out: bool, device, seed: int = 0) -> None:
     """Probe x (8 tokens): x·W'ᵀ with W' = g ⊙ (W + s·B·A) computed in fp32 and cast to W's
-    dtype, against the exact merge in fp64, in ulps of W's dtype (of fp32 for an fp64 W: the
-    merge's own precision, ``ulp_dtype``), and against the a-priori
-    bound of that merge (one rounding of W' to W's dtype after an fp32 merge), |x|·(u·|g|·
-    (|W| + |s|·|B|·|A|))ᵀ: a ratio above 1 means merged entries lost more than rounding allows
-    (overflow, or underflow to subnormals). Row blocks keep memory at O(ROW_BLOCK·d_in)."""
+    dtype, against the exact merge in fp64, in ulps of ``ulp_dtype``, and against the a-priori
+    bound of one rounding after an fp32 merge, |x|·(u·|g|·(|W| + |s|·|B|·|A|))ᵀ: a ratio above 1
+    means merged entries lost more than rounding allows (overflow, subnormals). Row blocks keep
+    memory at O(ROW_BLOCK·d_in)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(PROBE_TOKENS, A.shape[1], generator=gen, dtype=torch.float64).to(device)
     rows = W.t() if fan_in_fan_out else W
@@ -384,15 +374,12 @@ def check_merge(report: ModuleReport, W, A, B, g, scaling: float, fan_in_fan_out
 
 def check_memory(report: ModuleReport, d_out: int, d_in: int, r: int, device, lora_A_dtype: torch.dtype | None = None,
                  lora_B_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None) -> None:
-    """The norm's scratch, like for like in fp32 (W itself excluded): a dense norm holds at
-    least V = W + s·B·A (d_out×d_in; PEFT's eager path also holds B·A); the factored norm holds
+    """The norm's scratch, like for like in fp32 (W excluded): a dense norm holds at least
+    V = W + s·B·A (d_out×d_in; PEFT's eager path also holds B·A); the factored norm holds
     U = W·Aᵀ (d_out×r), G = A·Aᵀ (r×r) and four d_out vectors (base, cross, lora, n).
-    ``implementation_bound`` is what doracheck's kernels on this device's path allocate in all,
-    including the bounded column chunks of W they read through, for these adapter dtypes on a
-    base of ``weight_dtype``; with the base's dtype unknown (no ``--base`` yet), the larger of
-    the bounds for a bf16 and an fp16 base (fp32 adapters on a 16-bit base are split into two
-    16-bit pieces: ``settings.cublas_cross_pieces``). ``update_memory_bound`` makes it exact
-    once the base weight is read."""
+    ``implementation_bound``: all that doracheck's kernels on this device's path allocate for
+    these dtypes on a ``weight_dtype`` base (unknown: the larger for a bf16 and an fp16 base);
+    ``update_memory_bound`` makes it exact once the base weight is read."""
     dense = 4 * d_out * d_in
     factored = 4 * (d_out * r + r * r + 4 * d_out)
     report.stats["memory_bytes"] = {"dense_norm": dense, "factored_norm": factored, "dtype": "fp32"}

@@ -1,13 +1,12 @@
 """``adapter_config.json`` as the audit reads it, with every value it uses type-checked.
 
 PEFT writes these keys with fixed JSON types; a hand-edited or foreign config that breaks them
-would otherwise crash the audit or, worse, be read wrongly (``"false"`` is a true string,
-``2.7`` is not a rank). Each bad value becomes one line naming the key, what was expected and
-what was found; all of them are reported together as one ``AuditInputError`` (exit 2).
+would crash the audit or be read wrongly (``"false"`` is a true string, ``2.7`` is not a rank).
+Each bad value becomes one line naming the key, what was expected and what was found, all
+reported together as one ``AuditInputError`` (exit 2).
 
-Keys read: r, lora_alpha, rank_pattern, alpha_pattern (pattern -> value, patterns are regular
-expressions as in PEFT), use_rslora, use_dora, fan_in_fan_out, target_modules (type only).
-A key that is absent or null takes PEFT's default.
+Keys read: r, lora_alpha, rank_pattern, alpha_pattern (regular expression -> value, as in PEFT),
+use_rslora, use_dora, fan_in_fan_out, target_modules (type only); absent or null: PEFT's default.
 """
 
 from __future__ import annotations

@@ -4,14 +4,12 @@ Naming schemes recognised:
 - PEFT: ``<prefix><module>.lora_A.weight``, ``.lora_B.weight``, ``.lora_magnitude_vector``
   (``<prefix>`` is usually ``base_model.model.``; an adapter name may follow lora_A/lora_B).
 - kohya / LyCORIS: ``<module>.lora_down.weight``, ``.lora_up.weight``, ``.dora_scale``,
-  ``.alpha``. Their ``dora_scale`` is a norm over a different axis (per input feature by
-  default), so these modules get structural checks and a format note, not PEFT's numerics.
+  ``.alpha``. Their ``dora_scale`` is a norm over another axis (per input feature by default),
+  so these modules get structural checks and a format note, not PEFT's numerics.
 
-Scaling follows PEFT: r and lora_alpha from adapter_config.json, overridden per module by
-``rank_pattern`` / ``alpha_pattern`` (matched like ``peft.utils.other.get_pattern_key``),
-s = alpha / r, or alpha / sqrt(r) with ``use_rslora``. The config's values are type-checked in
-``config.py``.
-
+Scaling follows PEFT: r and lora_alpha from adapter_config.json (type-checked in ``config.py``),
+overridden per module by ``rank_pattern`` / ``alpha_pattern`` (as
+``peft.utils.other.get_pattern_key``), s = alpha / r, or alpha / sqrt(r) with ``use_rslora``.
 Modules are listed in natural order of their names (layers.2 before layers.10).
 """
 

@@ -1,13 +1,11 @@
 """Per-module figures for the audit's HTML report (matplotlib, drawn from ``ModuleReport.arrays``).
 
-One figure per numerically audited module, three panels:
-1. the distribution of g - 1 against the zones where bf16 and fp16 round g to exactly 1
-   (bf16: -2^-9..+2^-8, fp16: -2^-12..+2^-11) and the noise floor of g;
-2. the distribution of the three norm terms per feature, ||W||², 2s·<W,BA> (absolute value)
-   and s²·||BA||², on a log axis;
-3. the distribution of the merge error of the probe outputs, in ulps, with the median and
-   the warning threshold.
-Histograms, not per-feature scatter plots, so a 14336-feature layer stays a few kB of SVG.
+One figure per numerically audited module, three histograms (not per-feature scatter plots,
+so a 14336-feature layer stays a few kB of SVG):
+1. g - 1 against the zones where bf16 (-2^-9..+2^-8) and fp16 (-2^-12..+2^-11) round g to 1,
+   with the noise floor of g;
+2. the three norm terms per feature, ||W||², |2s·<W,BA>| and s²·||BA||², on a log axis;
+3. the merge error of the probe outputs in ulps, with the median and the warning threshold.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Safe, lazy access to safetensors files (adapters and base models) for the audit.
 
-Nothing here executes code from a file (safetensors only, no pickle) or reads more than
-it needs: the header is validated first with our own limits, then tensors are read one at a
-time through ``safetensors.safe_open`` (memory-mapped), so a 70B base model is never in RAM.
-
-Every problem becomes an ``AuditInputError`` with a one-line message naming the file.
+Nothing here executes code from a file (safetensors only, no pickle) or reads more than it
+needs: the header is validated first with our own limits, then tensors are read one at a time
+(``safetensors.safe_open``, memory-mapped), so a 70B base model is never in RAM. Every problem
+becomes an ``AuditInputError`` with a one-line message naming the file.
 """
 
 from __future__ import annotations
@@ -93,10 +92,9 @@ def special_file(path: Path) -> AuditInputError | None:
 
 
 def read_header(path: Path, role: str = "adapter") -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Validate a safetensors header: sizes, JSON, dtypes, shapes, offsets (in bounds, sized
-    to their shape, not overlapping, covering the data). Returns (tensors, metadata).
-    A PyTorch pickle is refused with how to re-save it (``role``: "adapter" or "base"), and a
-    JSON or other text file is named as such."""
+    """Validate a safetensors header: sizes, JSON, dtypes, shapes, offsets (in bounds, sized to
+    their shape, not overlapping). Returns (tensors, metadata). A PyTorch pickle is refused with
+    how to re-save it (``role``: "adapter" or "base"); a JSON file is named as such."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:

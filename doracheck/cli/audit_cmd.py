@@ -2,28 +2,25 @@
 [--device auto|cpu|cuda] [--strict]``.
 
 Text output: the summary table (modules in numeric order), the findings (errors and warnings;
-``--verbose`` adds the info ones), a summary line, the norm scratch memory, and last a legend of
-the table's columns (left out with ``--quiet`` or when the CI environment variable is set). ``--json`` prints one JSON object instead. ``--report FILE.html`` also writes one
-self-contained HTML file with the table, the legend, the findings and per-module plots
-(needs matplotlib). Before any work it checks that FILE.html can be written and is new or an
-earlier doracheck report: any other existing file (an input, model weights) is never replaced;
-the report is moved into place only when complete. A progress bar over modules appears on
-stderr when it is a terminal (not under ``--json`` or CI).
+``--verbose`` adds info), a summary line, the norm scratch memory, and a legend of the columns
+(left out with ``--quiet`` or when CI is set). ``--json`` prints one JSON object instead.
+``--report FILE.html`` also writes a self-contained HTML file (table, legend, findings,
+per-module plots; needs matplotlib), only over a new file or an earlier doracheck report
+(checked before any work; moved into place when complete). A progress bar over modules goes
+to stderr on a terminal (not under ``--json`` or CI).
 
 Exit codes:
-  0  no error-severity findings (warnings allowed), including a plain LoRA adapter: its
-     values and shapes were checked and a notice says nothing DoRA-specific was audited;
+  0  no error findings (warnings allowed), including a plain LoRA adapter (checked, with a
+     notice that nothing DoRA-specific was audited);
   1  error findings; with ``--strict`` also any warning, and a plain LoRA adapter (so a
      pipeline that expects DoRA fails when ``use_dora=True`` was forgotten);
-  2  unusable input or usage: missing or corrupt files, a PyTorch pickle (.bin/.pt: only
-     safetensors are read, never unpickled), a wrongly typed adapter_config.json value, a
-     ``--base`` that matches none of the adapter's modules, a ``--report`` that cannot be
-     written, would replace a file doracheck did not write, or lacks matplotlib. Each problem is
-     one line on stderr; never a traceback;
+  2  unusable input or usage: missing or corrupt files, a PyTorch pickle (never unpickled), a
+     wrongly typed adapter_config.json value, a ``--base`` matching none of the modules, a
+     ``--report`` that cannot be written, would replace another file or lacks matplotlib; one
+     line on stderr per problem, never a traceback;
   130 interrupted (Ctrl-C); a closed stdout (``| head``) ends quietly with 141.
 
-``--make-sample`` is a hidden, deprecated alias of ``doracheck sample PATH``: it prints a
-one-line deprecation on stderr and follows the same rule (never overwrites a file).
+``--make-sample``: hidden, deprecated alias of ``doracheck sample PATH`` (one-line notice).
 """
 
 from __future__ import annotations

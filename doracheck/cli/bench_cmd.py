@@ -4,22 +4,18 @@ with ``--plan`` the planner's variants, predicted against measured, side by side
     doracheck bench [--shapes 4096x4096r16,...] [--tokens 1,4096] [--dtype bf16] [--mode infer,train]
                     [--plan [--timed]] [--reps N] [--json] [--csv FILE]
 
-Shapes are d_in x d_out r rank. Times: ms per call, the median over ``--reps`` samples with
-their 10th and 90th percentiles, after warm-up, each sample back-to-back calls timed together,
-the variants of a row and nn.Linear of the same shape interleaved round-robin on the same
-inputs (``doracheck.timing.time_interleaved``; CUDA events on a GPU; on a CPU the host clock,
-at small default shapes, and the figures describe the CPU).
-``infer`` is a no_grad forward (norm cached), ``train`` forward + backward with every input
-requiring grad except the frozen weight. With ``--plan`` each row is one (shape, T, dtype,
-mode): every candidate variant's predicted ms (the cost model's, for an H200, whatever this
-device is) and measured ms, the variant the cost model picks and the fastest measured one;
-the summary says in how many rows the pick is within 5% of the fastest. ``--timed`` adds the
-choice of the planner's timing mode, made from its own measurement and judged on the row's.
-``--csv FILE`` gets the rows as they are measured: an existing FILE is replaced only once the
-first row exists (written through a temporary file in its folder), so a run that measures
-nothing leaves it as it was; a FILE that exists and is not a regular file is refused.
-Exit 0, 2 on bad arguments (or an unwritable --csv, or out of memory on the GPU or the host: one
-line naming the row), 130 when interrupted (the rows measured stay in the CSV file).
+Shapes are d_in x d_out r rank. Times: ms per call, median and 10th-90th percentiles over
+``--reps`` samples of back-to-back calls after warm-up, a row's columns interleaved round-robin
+on the same inputs (``doracheck.timing.time_interleaved``; CUDA events on a GPU, the host clock
+and small default shapes on a CPU). ``infer``: a no_grad forward (norm cached); ``train``:
+forward + backward, every input but the frozen weight requiring grad. ``--plan``: per (shape,
+T, dtype, mode) every candidate's predicted ms (the cost model's, for an H200, on any device)
+and measured ms, the cost model's pick and the fastest; the summary counts the rows where the
+pick is within 5% of the fastest. ``--timed`` adds the timing mode's own choice. ``--csv FILE``
+gets the rows as measured (an existing FILE is replaced only once a row exists, through a
+temporary file; a FILE that is not a regular file is refused).
+Exit 0; 2 on bad arguments, an unwritable --csv, or out of memory (one line naming the row);
+130 when interrupted (measured rows stay in the CSV file).
 """
 
 from __future__ import annotations
@@ -228,7 +224,7 @@ def _measure_rows(args, device, name: str, configs, columns: Columns, csv_rows, 
     from doracheck.cli.progress import Progress
     from doracheck.cli.verify_cmd import interrupted
 
-    # bench's bar: on a terminal under --json only; without it, the table's lines show the progress
+    # a bar under --json only: otherwise the table's lines show the progress
     progress = Progress("bench", len(configs), unit="row", draw=args.json)
     try:
         return _rows(args, device, name, configs, columns, csv_rows, rows, progress)
@@ -267,8 +263,7 @@ def _rows(args, device, name: str, configs, columns: Columns, csv_rows, rows: li
 
 
 def _csv_note(args, csv_rows) -> str:
-    """For a run cut short: where the rows measured so far are (the CSV file gets them as they
-    come; without a row, an existing file is as it was)."""
+    """For a run cut short: where the rows measured so far are (none: the file is as it was)."""
     if csv_rows is None or not csv_rows.rows:
         return ""
     return f"; the {csv_rows.rows} rows measured are in {args.csv}"

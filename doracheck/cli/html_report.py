@@ -1,16 +1,13 @@
 """Self-contained HTML reports (``audit --report``, ``verify --report``): one file, the plots
 inline as SVG made with matplotlib (the optional ``report`` extra), no network at view time.
 
-``Report`` collects sections of headings, tables, paragraphs and figures; ``write(path)``
-writes the file through a temporary file in the same folder, moved into place at the end, so a
-run cut short leaves no half-written report. ``matplotlib_or_none`` gives the library or the
-one-line reason it is missing.
+``Report`` collects headings, tables, paragraphs and figures; ``write(path)`` goes through a
+temporary file in the same folder, moved into place at the end (no half-written report).
 
 A report never replaces a user's file: ``target_problem(path)`` (checked before a command does
-any work, and again just before the move) refuses a name without an .html/.htm suffix, a
-folder, a missing or read-only folder, and an existing file that is not an HTML report written
-by doracheck (it starts with ``<!DOCTYPE html>`` and holds ``GENERATOR``). Only such a report,
-an earlier run's, is overwritten.
+any work, and again just before the move) refuses a name without an .html/.htm suffix, a folder,
+a missing or read-only folder, and an existing file that is not an earlier doracheck report
+(``<!DOCTYPE html>`` first, holding ``GENERATOR``).
 """
 
 from __future__ import annotations
@@ -129,9 +126,8 @@ class Report:
                 f"<style>{_STYLE}</style></head><body><h1>{html.escape(self.title)}</h1>{''.join(self._parts)}</body></html>\n")
 
     def write(self, path: str) -> None:
-        """Write the report to ``path`` through a temporary file in the same folder, moved into
-        place only when complete; raises OSError when ``target_problem`` objects (now) or the
-        write fails, leaving ``path`` as it was."""
+        """Write the report to ``path`` (``replace_file``); raises OSError when ``target_problem``
+        objects or the write fails, leaving ``path`` as it was."""
         replace_file(path, self.render().encode("utf-8"))
 
 

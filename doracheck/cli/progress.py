@@ -1,11 +1,9 @@
 """Progress bars for the long commands (audit, verify, calibrate, bench), with tqdm.
 
-A bar is drawn on stderr only when stderr is a terminal and no ``CI`` environment variable is
-set, and only where the command has nothing else to show while it works: audit, verify and
-calibrate draw one unless asked for ``--json``; bench draws one only under ``--json`` (its
-table prints each row as it is measured, which is its progress; its JSON comes at the end).
-Otherwise the bar is disabled and costs nothing, so logs, pipes and machine output on stdout
-get only the results.
+A bar is drawn on stderr only when it is a terminal, ``CI`` is unset, and the command has
+nothing else to show meanwhile: audit, verify and calibrate unless ``--json``; bench only under
+``--json`` (its table prints each row as measured). Otherwise the bar is disabled and free, so
+logs, pipes and machine output get only the results.
 """
 
 from __future__ import annotations
@@ -24,8 +22,7 @@ def bars_wanted(json_output: bool = False, draw: bool = True) -> bool:
 
 class Progress:
     """``progress(message)`` advances one step and shows the message; ``done()`` clears the bar.
-    ``json_output``: the command was asked for --json (no bar); ``draw=False``: the command
-    shows its progress otherwise (bench's table)."""
+    ``json_output``: --json was asked (no bar); ``draw=False``: progress shows otherwise."""
 
     def __init__(self, command: str, total: int, *, json_output: bool = False, unit: str = "step", draw: bool = True):
         self._bar = tqdm(total=max(total, 1), desc=command, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True,

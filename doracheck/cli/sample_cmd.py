@@ -1,14 +1,13 @@
 """``doracheck sample PATH [--fresh]``: write a small sample DoRA adapter and its base model.
 
-PATH is a folder, created if missing. It receives adapter_model.safetensors,
+PATH is a folder (created if missing) that receives adapter_model.safetensors,
 adapter_config.json (PEFT's format: 4 modules, r = 8, lora_alpha = 16) and
-base_model.safetensors. Nothing is ever overwritten: if any of the three files exists, nothing
-is written. Prints what it wrote and the audit command to run next.
+base_model.safetensors; if any of the three exists nothing is written. Prints what it wrote and
+the audit command to run next.
 
-Exit codes: 0 written; 2 unusable PATH (a file, an existing sample file, not writable or not
-readable), as one line on stderr naming the path; 130 interrupted (Ctrl-C). A write that fails
-or is interrupted removes what this run wrote (the files, and the folder if it made it) and
-nothing else.
+Exit codes: 0 written; 2 unusable PATH (a file, an existing sample file, unwritable), one line on
+stderr naming the path; 130 interrupted. A failed or interrupted write removes what this run
+wrote (the files, and folders it made) and nothing else.
 """
 
 from __future__ import annotations

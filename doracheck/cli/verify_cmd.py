@@ -1,13 +1,11 @@
 """``doracheck verify``: run the property suite against an implementation on this machine.
 
-Prints property × dtype → pass/FAIL/n/a, worst error, budget, margin, and the reason of each
-n/a. Exit 0 if every property passes (n/a counts as passing: the implementation lacks that
-piece), 1 if any fails, 2 for bad usage (an unknown dtype, an --impl that cannot be loaded, a
---report that cannot be written or made) and for an implementation on which nothing could be
-checked (n/a everywhere): no false comfort; 130 when interrupted (Ctrl-C). ``--report FILE``
-also writes one self-contained HTML file: the table and a chart of the margins. FILE must end in
-.html and be new or an earlier doracheck report: any other existing file is left alone (exit 2,
-checked before the suite runs).
+Prints property × dtype → pass/FAIL/n/a, worst error, budget, margin, and each n/a's reason.
+Exit 0 if every property passes (n/a counts as passing: the implementation lacks that piece),
+1 if any fails, 2 for bad usage (an unknown dtype, an --impl that cannot be loaded, an unusable
+--report) and when nothing could be checked (n/a everywhere: no false comfort), 130 when
+interrupted. ``--report FILE.html`` also writes a self-contained HTML file (the table and a chart
+of the margins), only over a new file or an earlier doracheck report (checked before the run).
 """
 
 from __future__ import annotations
@@ -40,8 +38,8 @@ def interrupted(command: str, note: str = "") -> int:
 
 
 def stdout_closed() -> int:
-    """The reader of stdout left (``doracheck ... | head``): stop quietly, exit 141 (128 + SIGPIPE)
-    as a shell tool does, with stdout pointed at /dev/null so that exiting flushes nothing."""
+    """The reader of stdout left (``| head``): exit 141 (128 + SIGPIPE) quietly, as a shell tool
+    does, stdout pointed at /dev/null so that exiting flushes nothing."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     return 141
@@ -102,9 +100,8 @@ def format_table(results) -> str:
 
 
 def report_problem(path: str) -> str | None:
-    """Why ``--report path`` cannot be made (matplotlib missing, no such folder, an existing file
-    that is not an earlier doracheck report), or None; checked before the suite runs, so that a
-    long run does not end in an unwritable report (``html_report.target_problem``)."""
+    """Why ``--report path`` cannot be made (no matplotlib, ``html_report.target_problem``), or
+    None; checked before the suite, so a long run does not end in an unwritable report."""
     from doracheck.cli.html_report import matplotlib_or_none, target_problem
 
     plt, why = matplotlib_or_none()

@@ -1,0 +1,43 @@
+"""Verification that names the cause: each known deviation (``reference.deviations``), planted in
+a thin wrapper around doracheck's own layer (``tests/deviants.py``), is failed by the quick suite
+in the dtype where it shows, and the failure lines name it; the correct layer is named by none.
+The planted × diagnosed matrix is printed (``-s``) for the record."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from deviants import PLANTED
+
+import doracheck
+from doracheck.properties.props_common import Implementation
+from doracheck.properties.suite import run_suite
+from doracheck.reference.deviations import DEVIATION_BY_NAME, DEVIATIONS
+
+NAMED = re.compile(r'matches "([^"]+)"')
+
+
+def diagnosed(impl: Implementation, dtype: str) -> tuple[list[str], set[str]]:
+    """(the failing properties, the deviation classes their failure lines name)."""
+    rows = [r for r in run_suite(impl, [dtype], "quick", "cpu") if r.status == "FAIL"]
+    return [f"{r.prop} [{r.dtype}]" for r in rows], {name for r in rows for name in NAMED.findall(r.detail)}
+
+
+def test_every_class_is_planted():
+    assert set(PLANTED) == set(DEVIATION_BY_NAME) and len(DEVIATIONS) == 15
+
+
+@pytest.mark.parametrize("name", list(PLANTED))
+def test_a_planted_deviation_fails_and_is_named(name):
+    wrapper, dtype = PLANTED[name]
+    failed, named = diagnosed(Implementation(f"planted: {name}", wrapper), dtype)
+    print(f"\nplanted {name!r} [{dtype}]: failed {failed}; diagnosed {sorted(named)}")
+    assert failed, f"{name}: no property failed"
+    assert named == {name}, f"{name}: failures {failed} name {sorted(named)}"  # the diagonal of the matrix
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_the_correct_layer_is_named_by_none(dtype):
+    failed, named = diagnosed(Implementation("doracheck", doracheck.dora_linear, doracheck.factored_norm), dtype)
+    assert not failed and not named
