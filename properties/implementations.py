@@ -15,6 +15,7 @@ does not import this module.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 
@@ -47,7 +48,26 @@ def doracheck_implementation(path: str | None = None) -> Implementation:
         module_cls=doracheck.DoRALinear,
         clear_cache=clear_norm_cache,
         norm_memory_bound=bound,
+        setting=small_chunks,
     )
+
+
+SUITE_CHUNK_BYTES = 2048  # T·d_out·itemsize above this is backpropagated in token chunks
+
+
+@contextlib.contextmanager
+def small_chunks():
+    """doracheck's backward chunks its tokens above 32 MiB of dz: never at the suite's sizes. Here
+    the threshold is ``SUITE_CHUNK_BYTES``, so the suite's larger problems take the chunked
+    backward (a few tokens a chunk, a short last one) and its smaller ones the whole one."""
+    from doracheck.kernels import settings
+
+    saved = settings.BACKWARD_CHUNK_BYTES
+    settings.BACKWARD_CHUNK_BYTES = SUITE_CHUNK_BYTES
+    try:
+        yield
+    finally:
+        settings.BACKWARD_CHUNK_BYTES = saved
 
 
 def doracheck_variant_implementation(variant: str) -> Implementation:

@@ -293,6 +293,11 @@ def baseline_ratio_checks(impl: Implementation, problems: list[Problem], family:
             current = worst.get(key)
             if current is None or current.status == "n/a" or _worse(_over(res), _over(current)):
                 worst[key] = res
+    compared = sum(1 for r in worst.values() if r.status != "n/a")
+    if not worst:  # nothing compared is no pass: say so (the oracle distance judged these outputs)
+        return [CheckResult("ratio", dt, True, 0.0, 0.0, 0, f"n/a: no output has {RATIO_MIN_ELEMENTS} effective elements "
+                            "(judged by the oracle distance alone)", status="n/a")]
     for r in worst.values():
         r.cases = len(problems)
+        r.detail += f"; {compared} of {len(worst)} outputs compared"
     return list(worst.values())

@@ -12,6 +12,7 @@ and the budget-field lookup (``_field``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +37,9 @@ class Implementation:
     module_cls: type | None = None
     clear_cache: Callable[[], None] | None = None
     norm_memory_bound: Callable[..., int] | None = None  # (d_out, d_in, r, device, lora_B_dtype=) -> bytes it declares
+    # A context every suite item runs in (doracheck's own: small chunk thresholds, so its chunked
+    # backward runs at the suite's problem sizes, beside the whole one).
+    setting: Callable[[], contextlib.AbstractContextManager] | None = None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -23,14 +23,16 @@ def problems(
     *,
     max_dim: int = 48,
     max_rank: int = 16,
+    min_dim: int = 1,
+    min_rank: int = 1,
     dtypes=(torch.float32, torch.bfloat16, torch.float16),
     kinds=KINDS,
     tokens=(0, 1, 5, (2, 3)),
     device: str = "cpu",
 ):
-    d_out = draw(st.integers(1, max_dim))
-    d_in = draw(st.integers(1, max_dim))
-    r = draw(st.integers(1, max_rank))
+    d_out = draw(st.integers(min_dim, max_dim))
+    d_in = draw(st.integers(min_dim, max_dim))
+    r = draw(st.integers(min_rank, max_rank))
     dtype = draw(st.sampled_from(dtypes))
     adapter_dtype = draw(st.sampled_from([dtype, torch.float32]))
     alpha = draw(st.sampled_from([1.0, 8.0, 16.0, 32.0]))

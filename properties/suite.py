@@ -7,6 +7,7 @@ Profiles: ``quick`` (one seed per shape; under 2 minutes on a 2-core CPU) and ``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import NamedTuple
@@ -40,12 +41,23 @@ class SuiteItem(NamedTuple):
 
 def suite_items(impl: props.Implementation, dtypes: list[str], profile: str = "quick", device: str = "cpu") -> list[SuiteItem]:
     """Every item of the suite, in verify's order. Problems are built when an item first runs
-    (cached per dtype), from fixed seeds: every process builds the same items and inputs."""
+    (cached per dtype), from fixed seeds: every process builds the same items and inputs. Each
+    item runs in the implementation's ``setting`` when it has one."""
     family = device_family(device)
     items = [SuiteItem("grad.gradcheck", "fp64", "gradcheck (fp64)", lambda: props.gradcheck_fp64(impl, family))]
     for dt in dtypes:
         items += _dtype_items(impl, dt, profile, device, family)
-    return items
+    if impl.setting is None:
+        return items
+    return [item._replace(run=_within(impl.setting, item.run)) for item in items]
+
+
+def _within(setting: Callable[[], contextlib.AbstractContextManager], run: Callable[[], list[CheckResult]]):
+    def run_within() -> list[CheckResult]:
+        with setting():
+            return run()
+
+    return run_within
 
 
 def _dtype_items(impl: props.Implementation, dt: str, profile: str, device: str, family: str) -> list[SuiteItem]:

@@ -10,7 +10,7 @@ import re
 import pytest
 from deviants import PLANTED
 
-import doracheck
+from doracheck.properties.implementations import doracheck_implementation
 from doracheck.properties.props_common import Implementation
 from doracheck.properties.suite import run_suite
 from doracheck.reference.deviations import DEVIATION_BY_NAME, DEVIATIONS
@@ -39,5 +39,5 @@ def test_a_planted_deviation_fails_and_is_named(name):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_the_correct_layer_is_named_by_none(dtype):
-    failed, named = diagnosed(Implementation("doracheck", doracheck.dora_linear, doracheck.factored_norm), dtype)
+    failed, named = diagnosed(doracheck_implementation(), dtype)
     assert not failed and not named

@@ -52,9 +52,15 @@ def test_forward_backward_within_budget(problem):
     _assert_all(props.backward_vs_oracle(IMPL, [problem], FAMILY))
 
 
-@given(problems(max_dim=24, dtypes=(torch.float32, torch.bfloat16)))
+@given(problems(min_dim=12, max_dim=24, min_rank=2, tokens=(5, (2, 3)), dtypes=(torch.float32, torch.bfloat16),
+                kinds=("random", "fresh", "cancel", "near_limits")))
 def test_baseline_ratio(problem):
-    _assert_all(props.baseline_ratio_checks(IMPL, [problem], FAMILY))
+    """Shapes and kinds where a ratio means something (a dynamic-range output sits in a few entries,
+    and zero rows leave the naive baseline NaN: the oracle distance and edge.zero_row judge those):
+    every example compares something."""
+    results = props.baseline_ratio_checks(IMPL, [problem], FAMILY)
+    assert any(r.status != "n/a" for r in results), [r.detail for r in results]
+    _assert_all(results)
 
 
 @given(problems(max_dim=12, max_rank=4, tokens=(1, 3)))
