@@ -21,7 +21,18 @@ from doracheck.reference import dora_forward_ref, norm_terms_ref, output_conditi
 from .budgets import budget_for, u
 from .diagnosis import explaining, rel_distance, verdict
 from .problems import Problem, make_problem
-from .props_common import Implementation, _dtype_name, _field, _grads, _na, _result, _worse
+from .props_common import (
+    Implementation,
+    _dtype_name,
+    _field,
+    _grads,
+    _na,
+    _result,
+    _worse,
+    configuration,
+    mixed,
+    rejects_configuration,
+)
 from .results import CheckResult
 from .unsupported import Unsupported
 
@@ -155,8 +166,9 @@ def backward_vs_oracle(impl: Implementation, problems: list[Problem], family: st
     worst: dict[str, tuple[float, float, str]] = {}  # prop -> (error, its budget, label); worst = least margin
     left_to_edge: list[str] = []
     raised: list[str] = []
+    rejected: list[str] = []  # cases of a configuration the implementation refuses (n/a, with the reason)
     first_error: Exception | None = None
-    runs = [(p, {}, p.label) for p in problems]
+    runs = [(p, {}, f"{p.label} ({configuration(p)})") for p in problems]
     first = problems[0]  # LoRA dropout in training, with a supplied keep-mask (PEFT's semantics)
     keep = torch.rand(first.x.shape, generator=torch.Generator().manual_seed(77)) > DROPOUT_P
     runs.append((first, {"training": True, "dropout_p": DROPOUT_P, "dropout_mask": keep.to(first.x.device)},
@@ -170,6 +182,9 @@ def backward_vs_oracle(impl: Implementation, problems: list[Problem], family: st
         except Unsupported:
             raise
         except Exception as exc:  # noqa: BLE001  (a crash on one case fails the property; the others still run)
+            if mixed(p) and rejects_configuration(exc):  # judged in the configurations it supports
+                rejected.append(f"{configuration(p)}: {type(exc).__name__}: {str(exc)[:120]}")
+                continue
             raised.append(f"{label}: {type(exc).__name__}: {str(exc)[:160]}")
             first_error = first_error or exc
             continue
@@ -190,11 +205,15 @@ def backward_vs_oracle(impl: Implementation, problems: list[Problem], family: st
             if prop not in worst or _worse(err / bud, worst[prop][0] / worst[prop][1]):
                 worst[prop] = (err, bud, f"{label} (κ {kappa:.3g}){cause if not err <= bud else ''}")
     note = f"; {len(left_to_edge)} problem(s) with zero rows, NaN there: judged by edge.zero_row" if left_to_edge else ""
-    if first_error is not None and len(raised) == len(runs):
+    if first_error is not None and len(raised) + len(rejected) == len(runs):
         raise first_error  # it never ran: its own traceback says more than a row
+    if rejected and len(rejected) == len(runs):
+        raise Unsupported(f"every configuration was refused: {rejected[0]}")
     rows = [_result(prop, dt, err, bud, len(runs) - len(left_to_edge), f"worst: {label}{note}") for prop, (err, bud, label) in worst.items()]
     if raised:
         rows.append(CheckResult("accuracy.raised", dt, False, math.inf, 0.0, len(raised), f"raised on {len(raised)} case(s): {raised[0]}"))
+    if rejected:
+        rows.append(_na("accuracy.mixed_dtypes", dt, f"{len(rejected)} case(s) refused, judged on the others: {rejected[0]}"))
     return rows
 
 
@@ -267,10 +286,17 @@ def baseline_ratio_checks(impl: Implementation, problems: list[Problem], family:
     """Forward and every gradient against the PEFT-style eager DoRA in the same dtype."""
     dt = _dtype_name(problems[0].x.dtype)
     worst: dict[str, CheckResult] = {}
+    refused = ""
     for i, p in enumerate(problems):
         gen = torch.Generator().manual_seed(2000 + i)
         dy = torch.randn(*p.x.shape[:-1], p.weight_rows.shape[0], generator=gen).to(p.x.device, p.x.dtype)
-        y, grads = _grads(impl.dora_linear, p, dy, lambda t: t.detach().clone())
+        try:
+            y, grads = _grads(impl.dora_linear, p, dy, lambda t: t.detach().clone())
+        except Exception as exc:  # noqa: BLE001
+            if mixed(p) and rejects_configuration(exc):  # judged in the configurations it supports
+                refused = f"{configuration(p)}: {type(exc).__name__}: {str(exc)[:120]}"
+                continue
+            raise
         if _zero_row_nan(p, y):  # judged by edge.zero_row (see _zero_row_nan)
             continue
         y_n, grads_n = _grads(peft_style_dora, p, dy, lambda t: t.detach().clone())
@@ -300,4 +326,4 @@ def baseline_ratio_checks(impl: Implementation, problems: list[Problem], family:
     for r in worst.values():
         r.cases = len(problems)
         r.detail += f"; {compared} of {len(worst)} outputs compared"
-    return list(worst.values())
+    return list(worst.values()) + ([_na("ratio.mixed_dtypes", dt, f"refused, judged on the others: {refused}")] if refused else [])

@@ -94,3 +94,21 @@ def _grads(fn, p: Problem, dy: torch.Tensor, cast, **kw):
     )
     grads = torch.autograd.grad(y, [leaves[k] for k in names], dy.to(y.dtype), allow_unused=True)
     return y.detach(), {k: (g if g is not None else torch.zeros_like(leaves[k])) for k, g in zip(names, grads)}
+
+
+def mixed(p: Problem) -> bool:
+    """Whether the problem is in the fp32-adapters configuration (autocast style: A, B or m in
+    another dtype than x), as against the whole model cast to the activation dtype."""
+    return any(t.dtype != p.x.dtype for t in (p.lora_A, p.lora_B, p.magnitude))
+
+
+def configuration(p: Problem) -> str:
+    """The configuration a problem is in, for the failure lines."""
+    return f"adapters in {_dtype_name(p.lora_A.dtype)}, m in {_dtype_name(p.magnitude.dtype)}" if mixed(p) else "adapters in the activation dtype"
+
+
+def rejects_configuration(exc: Exception) -> bool:
+    """An implementation's refusal of mixed dtypes (a dtype-mismatch error), as against a crash."""
+    from .unsupported import Unsupported
+
+    return isinstance(exc, Unsupported) or (isinstance(exc, (RuntimeError, TypeError, ValueError)) and "dtype" in str(exc).lower())

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -19,7 +20,19 @@ from doracheck.reference.oracle_mpmath import MAX_ELEMENTS
 from .budgets import budget_for, u
 from .diagnosis import explaining, verdict
 from .problems import Problem, log_uniform_deltas
-from .props_common import Implementation, _call, _dtype_name, _field, _na, _result, _worse, _worst_of
+from .props_common import (
+    Implementation,
+    _call,
+    _dtype_name,
+    _field,
+    _na,
+    _result,
+    _worse,
+    _worst_of,
+    configuration,
+    mixed,
+    rejects_configuration,
+)
 from .results import CheckResult
 
 # 1 ---------------------------------------------------------------------------------------
@@ -127,10 +140,19 @@ def compose_near_one(impl: Implementation, dtype: torch.dtype, family: str, seed
     budget = budget_for("compose", "y", dt, family)
     worst, label, worst_problem = 0.0, "", None
     fp32_terms, ulps = _field(budget, "fp32_terms"), _field(budget, "ulp")
+    refused = ""
     for seed in seeds:
         p = compose_problem(dtype, seed=seed, device=device)
-        with torch.no_grad():
-            y = _call(impl, p)
+        try:
+            with torch.no_grad():
+                y = _call(impl, p)
+        except Exception as exc:  # noqa: BLE001
+            if not (mixed(p) and rejects_configuration(exc)):
+                raise
+            refused = f"{configuration(p)}: {type(exc).__name__}: {str(exc)[:120]}"  # the whole model cast instead
+            p = replace(p, magnitude=p.magnitude.to(dtype), label=f"{p.label} (m in {dt})")
+            with torch.no_grad():
+                y = _call(impl, p)
         err = _worst_of(compose_error_ulps(y, p, fp32_terms).flatten().tolist())
         if _worse(err, worst):
             worst, label, worst_problem = err, p.label, p
@@ -144,4 +166,5 @@ def compose_near_one(impl: Implementation, dtype: torch.dtype, family: str, seed
             return _worst_of(compose_error_ulps(a, p, fp32_terms, exact=b).flatten().tolist()) / max(ulps, 1.0)
 
         label += " — " + verdict(explaining(impl, worst_problem, distance))
-    return [_result("compose.near_one", dt, worst, ulps, len(seeds), f"ulps beyond the fp32 allowance; worst: {label}")]
+    rows = [_result("compose.near_one", dt, worst, ulps, len(seeds), f"ulps beyond the fp32 allowance; worst: {label}")]
+    return rows + ([_na("compose.mixed_dtypes", dt, f"refused, judged with m in {dt}: {refused}")] if refused else [])

@@ -45,3 +45,22 @@ def test_a_gradient_bug_confined_to_the_dropout_path_is_rejected(output):
 
     wanted = {"lora_A": "backward.dA", "magnitude": "backward.dm"}[output]
     assert f"{wanted} [fp32]" in failed(Implementation("dropout-only bug", off_under_dropout))
+
+
+def same_dtype_only(x, weight, lora_A, lora_B, magnitude, scaling, bias=None, **kw):
+    """Like most trainers' layers: the whole model in one dtype, mixed dtypes refused."""
+    for t in (weight, lora_A, lora_B, magnitude, bias):
+        if t is not None and t.dtype != x.dtype:
+            raise RuntimeError(f"expected m1 and m2 to have the same dtype, but got: {x.dtype} != {t.dtype}")
+    return doracheck.dora_linear(x, weight, lora_A, lora_B, magnitude, scaling, bias, **kw)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_an_implementation_refusing_mixed_dtypes_is_judged_in_the_configuration_it_supports(dtype):
+    rows = run_suite(Implementation("same dtype only", same_dtype_only), [dtype], "quick", "cpu")
+    assert [f"{r.prop}: {r.detail}" for r in rows if r.status == "FAIL"] == []
+    refused = {r.prop: r.detail for r in rows if r.status == "n/a" and r.prop.endswith("mixed_dtypes")}
+    assert set(refused) == {"accuracy.mixed_dtypes", "ratio.mixed_dtypes", "compose.mixed_dtypes"}, refused
+    assert all("adapters in fp32" in detail or "m in fp32" in detail for detail in refused.values())
+    judged = {r.prop for r in rows if r.status == "pass"}
+    assert {"forward.y", "backward.dA", "compose.near_one"} <= judged  # real verdicts in the same-dtype configuration
