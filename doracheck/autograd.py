@@ -31,14 +31,13 @@ def _held_on_ctx(t: torch.Tensor | None) -> bool:
 
 
 def _save(ctx, saved: Saved, a: LayerArgs, lead: tuple) -> None:
-    """Keep ``saved`` and the parameters for the backward.
-
-    Activations go through ``save_for_backward`` (and saved-tensor hooks such as activation
-    checkpointing's: three Python calls per tensor and step). In eager, module parameters ride
-    on the ctx with their version counters, checked by ``_restore`` as autograd checks saved
-    tensors: a hook would only pack and unpack them again (5 hook-packed tensors per PEFT layer
-    call instead of 10). While torch.compile traces everything is saved (the form it supports).
-    ``n_safe`` is kept only for the exact-norm backward, which reads it."""
+    """Keep ``saved`` and the parameters for the backward. Activations go through
+    ``save_for_backward`` (and saved-tensor hooks such as activation checkpointing's: three Python
+    calls per tensor and step). In eager, module parameters ride on the ctx with their version
+    counters, checked by ``_restore`` as autograd checks saved tensors: a hook would only pack and
+    unpack them again (5 hook-packed tensors per PEFT layer call instead of 10). While
+    torch.compile traces everything is saved (the form it supports). ``n_safe`` is kept only for
+    the exact-norm backward, which reads it."""
     tensors = tuple(saved[:SAVED_TENSORS])
     if a.detach_norm:
         tensors = tensors[:6] + (None,) + tensors[7:]
@@ -113,26 +112,24 @@ def dora_linear_autograd(x, weight, lora_A, lora_B, magnitude, scaling, bias, ke
 
 
 class DoRAFromBaseFunction(torch.autograd.Function):
-    """DoRA on top of an output a caller (PEFT's LoRA Linear) already computed.
+    """DoRA on top of an output a caller (PEFT's LoRA Linear) already computed. PEFT's form, for
+    each active adapter in turn: y = result + (g-1)⊙(result - b) + g⊙s⊙lora, lora = (x·Aᵀ)·Bᵀ,
+    i.e. y = g⊙(result - b + s·(x·Aᵀ)·Bᵀ) + b; with dropout (``keep_mask``, x_d = x·keep/(1-p)):
+    y = result + (g-1)⊙(x_d·Wᵀ) + g⊙s⊙(x_d·Aᵀ)·Bᵀ, one extra x_d·Wᵀ GEMM, z_d saved.
 
-    PEFT's form, for each active adapter in turn: y = result + (g-1)⊙(result - b) + g⊙s⊙lora,
-    i.e. y = g⊙(result - b + s·(x·Aᵀ)·Bᵀ) + b, with lora = (x·Aᵀ)·Bᵀ; with dropout
-    (``keep_mask``, x_d = x·keep/(1-p)): y = result + (g-1)⊙(x_d·Wᵀ) + g⊙s⊙(x_d·Aᵀ)·Bᵀ, one
-    extra x_d·Wᵀ GEMM, z_d saved.
-
-    ``result_is_base=True`` (the first active adapter: result = x·Wᵀ + b exactly): ``result``
-    is rewritten in place (marked dirty): no T×d_out buffer, no second x·Wᵀ, and the backward
-    returns the whole dx = dz·W + s·(dz·B)·A and no gradient to ``result``, so the base layer's
-    backward (another d_out×d_in GEMM) never runs. Only for frozen W (the caller checks).
+    ``result_is_base=True`` (the first active adapter: result = x·Wᵀ + b exactly): ``result`` is
+    rewritten in place (marked dirty): no T×d_out buffer, no second x·Wᵀ, and the backward returns
+    the whole dx = dz·W + s·(dz·B)·A and no gradient to ``result``, so the base layer's backward
+    (another d_out×d_in GEMM) never runs. Only for frozen W (the caller checks).
 
     While torch.compile traces, y is a new tensor (``in_place=False``): a compiled region whose
     input ``result`` a Function marks dirty was seen to train a different model (the variant's
     forward compiled as its own frame after an earlier compile skipped PEFT's Linear.forward).
 
-    ``result_is_base=False`` (result carries an earlier adapter's output too): y is a new
-    tensor (the earlier adapter may have saved ``result``), ``result`` gets its gradient
-    (g⊙dy; dy with dropout), dx only this adapter's own terms, and a trainable bias the part
-    this adapter adds: Σ_t (1-g)⊙dy (nothing with dropout)."""
+    ``result_is_base=False`` (result carries an earlier adapter's output too): y is a new tensor
+    (the earlier adapter may have saved ``result``), ``result`` gets its gradient (g⊙dy; dy with
+    dropout), dx only this adapter's own terms, and a trainable bias the part this adapter adds:
+    Σ_t (1-g)⊙dy (nothing with dropout)."""
 
     @staticmethod
     def forward(ctx, result, x, weight, lora_A, lora_B, magnitude, bias, scaling, fan_in_fan_out, keep_mask=None, dropout_p=0.0,

@@ -57,14 +57,12 @@ def _zero_scalar(like: torch.Tensor) -> torch.Tensor:
 
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
-    """s·(a·b) as one GEMM with alpha = s: scaled in the fp32 accumulator and rounded once,
-    with no fp32 copy of the result. beta = 0: the addend is not read."""
+    """s·(a·b) as one GEMM, alpha = s (scaled in the fp32 accumulator, rounded once; beta = 0)."""
     return torch.addmm(_zero_scalar(a), a, b, beta=0, alpha=s)
 
 
 def _fp32_out_gemm(t: torch.Tensor) -> bool:
-    """Whether a 16-bit GEMM on ``t``'s device can write its fp32 accumulator as fp32 (cuBLAS,
-    ``aten::mm.dtype``, torch >= 2.8)."""
+    """Whether a 16-bit GEMM on ``t``'s device can write fp32 (cuBLAS ``aten::mm.dtype``)."""
     return t.device.type == "cuda" and HAS_MM_DTYPE
 
 

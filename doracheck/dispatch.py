@@ -1,7 +1,7 @@
 """The one place that decides which implementation runs a call (torch or Triton).
 
-``backend_for(*tensors)`` gives the layer its ``Backend`` (kernels/backends.py) once per call;
-``choose_path(device)`` is the rule under it and ``describe_path`` says why, for ``doracheck env``.
+``backend_for(*tensors)`` gives the layer its ``Backend`` once per call; ``choose_path(device)``
+is the rule under it, and says why (``doracheck env``).
 """
 
 from __future__ import annotations
@@ -144,5 +144,4 @@ def compose(base, lora, g, scaling, bias=None, base_dropped=None, out=None):
     """The elementwise stable compose of a given lora output (torch; the layer's backends
     fuse it into the up-projection)."""
     from doracheck.kernels import compose_torch
-
     return compose_torch(base, lora, g, scaling, bias, base_dropped=base_dropped, out=out)

@@ -7,8 +7,7 @@ With x_d = dropout(x) (x_d = x without dropout) and the compute dtype c = x.dtyp
     y    = base + b + (g-1)⊙base_d + g⊙s⊙lora                  fp32, rounded once to c
 
 ``linear_forward`` computes base itself (``dora_linear``); ``from_base_forward`` starts from a
-base output a caller already has (PEFT's LoRA Linear, ``result`` = x·Wᵀ + b). Every kernel is
-the backend's (``doracheck.kernels.backends``).
+caller's base output (PEFT's LoRA Linear, ``result`` = x·Wᵀ + b). Kernels are the backend's.
 
 What is kept for the backward (``Saved``; the caller's x is referenced, not copied):
 - without dropout and bias, where the backend allows it: y itself (g⊙z = y; the next layer

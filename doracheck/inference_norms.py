@@ -11,20 +11,21 @@ the entry points: the PEFT model (outer) and the base model its ``generate`` cal
   ``norm_rule`` (same stamp, era and lookup as every other path) and *arms* the layer; with grad
   mode, after a backward (until the next era), under FSDP2 or while tracing it disarms them. The
   post-hook disarms them (``KeyboardInterrupt`` skips it: the next eager call or era end does).
-- ``generate`` prepares once per call and stays armed until it returns (``_generate``).
+- ``generate`` needs nothing of its own: each of its forwards is a forward without grad mode of
+  the base model, prepared by the hook (a wrapper that prepared once per call showed no decode
+  gain beyond the spread, docs/performance.md).
 - An armed layer reads max(n, eps) from its state (eager and compiled; Dynamo guards on the
   flag). When only the base model's ``__call__`` is compiled (transformers, for a static cache)
   its hooks run eagerly around the compiled body; when the outer model is traced nothing is
   armed and that graph computes its norms. A slot whose tensors are not the layer's 2-D
   matrices (sharded, offloaded to meta, inference tensors) leaves its layer unarmed.
 
-Writes the rule cannot see (``param.data`` edits between inference calls, or inside ``generate``
-by a streamer that edits weights) need ``clear_norm_cache()``.
+Writes the rule cannot see (``param.data`` edits between inference calls, or during a forward)
+need ``clear_norm_cache()``.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 import weakref
 from typing import Any
@@ -41,13 +42,11 @@ STATE = "_doracheck"  # the one private attribute doracheck sets on a module: a 
 
 
 class ModuleState:
-    """What doracheck keeps on a module it touches, under the one attribute ``_doracheck``.
-
-    On a routed PEFT LoRA layer: ``originals`` (adapter -> PEFT's own variant, for ``disable``),
+    """What doracheck keeps on a module it touches, under the one attribute ``_doracheck``. On a
+    routed PEFT LoRA layer: ``originals`` (adapter -> PEFT's own variant, for ``disable``),
     ``norms`` (adapter -> max(n, eps), fp32 (d_out,)), ``armed`` (``norms`` is current for this
     forward). On an entry point: ``holder`` (shared with the other entry point), ``role`` ("outer"
-    or "inner"), ``hooks``, ``user_generate`` (the instance's own, before ``attach``) and
-    ``wrapped`` (ours is installed)."""
+    or "inner") and ``hooks``."""
 
     def __init__(self) -> None:
         self.originals: dict = {}
@@ -56,8 +55,6 @@ class ModuleState:
         self.holder: _Holder | None = None
         self.role: str | None = None
         self.hooks: tuple = ()
-        self.user_generate: Any = None
-        self.wrapped = False
 
 
 def state_of(module: nn.Module) -> ModuleState:
@@ -116,9 +113,8 @@ class NormSlot:
         self._holders: tuple | None = None  # weak references: (base-layer chain, lora_A module, lora_B module) last seen
 
     def __getstate__(self) -> dict:
-        """Pickled (``torch.save`` of a whole model) without the weak references, which cannot
-        be pickled, and without the stamp, whose ids and addresses mean nothing elsewhere: the
-        loaded slot finds its modules and refreshes its norm on first use."""
+        """Pickled (``torch.save`` of a whole model) without the weak references and the stamp
+        (ids and addresses mean nothing elsewhere): the loaded slot refreshes on first use."""
         return {**self.__dict__, "stamp": None, "_holders": None}
 
     def _tensors(self):
@@ -204,15 +200,11 @@ class _Holder:
         self.prepared = False
         self.owner: nn.Module | None = None  # the entry point whose forward prepared
         self.outer_traced = False  # set while torch.compile traces the outer model's forward
-        self.generations = 0  # ``generate`` calls of this model under way (nested or in threads)
-        self.generating = False  # generations > 0; a bool, so a traced hook's guard has two values
-        self.generating_threads: dict[int, int] = {}  # thread id -> its generate calls under way
 
     def __getstate__(self) -> dict:
-        """Pickled (or deep-copied) as not running anything: a copy made during a ``generate``
-        call or a forward must prepare its own."""
-        return {**self.__dict__, "prepared": False, "owner": None, "outer_traced": False, "generations": 0,
-                "generating": False, "generating_threads": {}}
+        """Pickled (or deep-copied) as not running anything: a copy made during a forward must
+        prepare its own."""
+        return {**self.__dict__, "prepared": False, "owner": None, "outer_traced": False}
 
 
 _lock = threading.RLock()
@@ -247,18 +239,10 @@ def _finish(holder: _Holder) -> None:
         holder.prepared, holder.owner = False, None
 
 
-def _generating_here(holder: _Holder) -> bool:
-    """Whether this forward runs inside one of the model's ``generate`` calls (prepared once
-    for it). Eager: this thread's own call only (other threads' forwards see writes made
-    meanwhile). Traced: the bool (Dynamo cannot trace thread ids), so a forward another thread
-    traces during a generate call is prepared by that call."""
-    return holder.generating and (torch.compiler.is_compiling() or threading.get_ident() in holder.generating_threads)
-
-
 def _before(model: nn.Module, args) -> None:
     state = model.__dict__.get(STATE)
     holder = None if state is None else state.holder
-    if holder is None or _generating_here(holder):  # inside generate: prepared once for the whole call
+    if holder is None:
         return
     if torch.compiler.is_compiling():
         # Outer model traced: no graph break, nothing armed, the graph computes the norms. Inner
@@ -274,66 +258,13 @@ def _before(model: nn.Module, args) -> None:
 def _after(model: nn.Module, args, output) -> None:
     state = model.__dict__.get(STATE)
     holder = None if state is None else state.holder
-    if holder is None or _generating_here(holder):
+    if holder is None:
         return
     if torch.compiler.is_compiling() and state.role == "outer":
         holder.outer_traced = False
         return
     if holder.owner is model:
         _finish(holder)
-
-
-@torch.compiler.disable
-def _begin_generation(model: nn.Module, holder: _Holder) -> None:
-    """The first ``generate`` call under way prepares (as a no_grad forward) and holds the
-    layers armed until the last one ends."""
-    with _lock:
-        if holder.generations == 0:
-            with torch.no_grad():
-                _prepare(model, holder)
-        thread = threading.get_ident()
-        holder.generating_threads[thread] = holder.generating_threads.get(thread, 0) + 1
-        holder.generations += 1
-        holder.generating = True
-
-
-@torch.compiler.disable
-def _end_generation(holder: _Holder) -> None:
-    with _lock:
-        thread = threading.get_ident()
-        left = holder.generating_threads.get(thread, 0) - 1
-        if left > 0:
-            holder.generating_threads[thread] = left
-        else:
-            holder.generating_threads.pop(thread, None)
-        holder.generations -= 1
-        holder.generating = holder.generations > 0
-        if not holder.generating:
-            _finish(holder)
-
-
-def _generate(self: nn.Module, *args, **kwargs):
-    """``generate`` of an entry point, prepared once for the whole call (``attach`` binds it in
-    the instance's ``__dict__``, found before the class's ``generate``).
-
-    A check per forward costs host time between two graph breaks (the hooks) once per decode
-    token when transformers compiles the base model's ``__call__``: on an H200 host compiled
-    decode ran at 0.77x compiled PEFT LoRA's tokens/s while the kernels took 5% longer than
-    LoRA's. Nothing in one call trains, so the buffers checked at its start stay valid and the
-    hooks do nothing until it returns. A write from inside the call is seen only if it ends
-    the era (``clear_norm_cache()`` disarms the layers). Other threads' eager forwards prepare
-    for themselves (``_generating_here``)."""
-    state = self.__dict__.get(STATE)
-    holder = None if state is None else state.holder
-    original = None if state is None else state.user_generate
-    generate = original if original is not None else type(self).generate.__get__(self)  # type: ignore[attr-defined]
-    if holder is None:
-        return generate(*args, **kwargs)
-    _begin_generation(self, holder)
-    try:
-        return generate(*args, **kwargs)
-    finally:
-        _end_generation(holder)
 
 
 def _on_era_end() -> None:
@@ -348,9 +279,8 @@ norm_rule.on_era_end(_on_era_end)
 
 
 def attach(layers: list[tuple[nn.Module, str]], entry_points: list[nn.Module]) -> None:
-    """A ``NormSlot`` for each (module, adapter) of ``layers``, and the hooks on each module of
-    ``entry_points`` (outermost first: the model and, for a PEFT model, the base model its
-    ``generate`` calls; they share one holder). Replaces what an earlier call attached there."""
+    """A ``NormSlot`` for each (module, adapter) of ``layers``, and hooks on ``entry_points``
+    (outermost first, sharing one holder), replacing what an earlier call attached there."""
     for entry in entry_points:
         _remove_hooks(entry)
     slots = []
@@ -364,13 +294,6 @@ def attach(layers: list[tuple[nn.Module, str]], entry_points: list[nn.Module]) -
         state.holder = holder
         state.role = "outer" if i == 0 else "inner"
         state.hooks = (entry.register_forward_pre_hook(_before), entry.register_forward_hook(_after, always_call=True))
-        if callable(getattr(type(entry), "generate", None)) or callable(entry.__dict__.get("generate")):
-            # A partial of a module-level function: deepcopy binds it to the copy, pickle stores it
-            # by name (a bound method would be looked up as ``entry._generate``).
-            if "generate" in entry.__dict__:
-                state.user_generate = entry.__dict__["generate"]
-            entry.__dict__["generate"] = functools.partial(_generate, entry)
-            state.wrapped = True
 
 
 def _remove_hooks(entry: nn.Module) -> None:
@@ -380,13 +303,7 @@ def _remove_hooks(entry: nn.Module) -> None:
     for handle in state.hooks:
         handle.remove()
     state.hooks = ()
-    if state.wrapped:
-        current = entry.__dict__.get("generate")
-        if isinstance(current, functools.partial) and current.func is _generate:  # ours, not one set after attach
-            entry.__dict__.pop("generate")
-            if state.user_generate is not None:
-                entry.__dict__["generate"] = state.user_generate
-    state.wrapped, state.user_generate, state.holder, state.role = False, None, None, None
+    state.holder, state.role = None, None
 
 
 def detach(model: nn.Module) -> None:

@@ -25,9 +25,8 @@ class LayerArgs(NamedTuple):
 
 
 class Saved(NamedTuple):
-    """What a forward keeps for its backward. Tensors (the first ``SAVED_TENSORS`` fields) go through
-    ``save_for_backward``; ``backend``, ``from_output`` and ``variant`` ride on the ctx.
-
+    """What a forward keeps for its backward. Tensors (the first ``SAVED_TENSORS`` fields) go
+    through ``save_for_backward``; ``backend``, ``from_output`` and ``variant`` ride on the ctx.
     x2: x as (T, d_in) in the compute dtype; keep: the bool keep-mask (T, d_in) with dropout;
     xa: x_d·Aᵀ (T, r) or None (recomputed); h: z = base + s·lora (T, d_out), or the output
     y = g⊙z itself when ``from_output``; g: m / max(n, eps) fp32; n, n_safe: the norm and

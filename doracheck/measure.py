@@ -102,16 +102,14 @@ def versions() -> dict[str, str | None]:
             return None
 
     from doracheck import __version__
-
     return {"doracheck": __version__, "torch": torch.__version__, "triton": of("triton")}
 
 
 def bench_row(device: torch.device, device_name: str, d_in: int, d_out: int, r: int, T: int, dt: torch.dtype, mode: str,
               reps: int, *, with_plan: bool = False, timed: bool = False) -> dict:
     """One row of ``doracheck bench``: nn.Linear and doracheck (the planner's variant on a GPU,
-    the default elsewhere), or with ``with_plan`` every candidate predicted against measured,
-    the cost model's pick and the fastest; ``timed`` adds the timing mode's pick (from its own
-    measurement, judged on this row's). Medians ``*_ms``, percentiles ``*_p10_ms``, ``*_p90_ms``."""
+    else the default), or with ``with_plan`` every candidate predicted against measured, the cost
+    model's pick and the fastest; ``timed`` adds the timing mode's own pick (times: ``*_ms``)."""
     training = mode == "train"
     row: dict[str, Any] = {"device": device_name, **versions(), "d_in": d_in, "d_out": d_out, "r": r, "tokens": T,
                            "dtype": DTYPE_NAMES[dt], "mode": mode, "reps": reps}
@@ -152,19 +150,16 @@ def plan_summary(rows: list[dict], timed: bool) -> dict:
 
 
 class CsvRows:
-    """Rows written to a CSV file as they come (a run cut short keeps what it measured); dict
-    cells as JSON, a missing value empty; the header is the first row's keys.
-
-    An existing file is left as it was until a row exists: the header and first row go to a
-    temporary file in the same folder, which then replaces ``path``; later rows are appended.
-    A run that measures nothing removes only its temporary file. A ``path`` that exists and is
-    not a regular file (a folder, /dev/null) is refused. Opening and writing raise OSError (the
-    caller reports it); ``close()`` always cleans up."""
+    """Rows written to a CSV file as they come (a run cut short keeps what it measured); dict cells
+    as JSON, a missing value empty; the header is the first row's keys. An existing file is left as
+    it was until a row exists: the header and first row go to a temporary file in the same folder,
+    which then replaces ``path``; later rows are appended. A run that measures nothing removes only
+    its temporary file. A ``path`` that exists and is not a regular file (a folder, /dev/null) is
+    refused. Opening and writing raise OSError (reported by the caller); ``close()`` cleans up."""
 
     def __init__(self, path: str) -> None:
         import errno
         import os
-
         self.path = os.path.realpath(path)  # a symlink keeps pointing at the file it names
         self.rows = 0
         if os.path.lexists(self.path) and not os.path.isfile(self.path):
@@ -195,7 +190,6 @@ class CsvRows:
 
     def close(self) -> None:
         import os
-
         self._file.close()
         if self._tmp is not None:  # no row was written: FILE stays as it was
             tmp, self._tmp = self._tmp, None

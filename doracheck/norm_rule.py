@@ -17,18 +17,16 @@ entry point, and for the model-level refresh ``generate`` and compiled inference
 
 The stamp is what a reused norm was computed from: W, A and B as (object, address, version,
 shape, strides, dtype, device), s, ``fan_in_fan_out``, the implementation path and the current
-CUDA stream (another stream could read the norm before its kernels finish). Version counters do
-not see in-place writes through ``p.data``: after such a write outside an optimizer step
-(hand-editing adapters between two inference calls, a training loop whose backward torch.compile
-compiled, which cannot record that it ran, updated by hand), and after any write made during a
-forward or a ``generate`` call (``inference_norms`` checks once before them), call
-``clear_norm_cache()``. Never stored: while torch.compile traces (a compiled graph recomputes,
-unless it reads an ``inference_norms`` state), under CUDA graph capture, for inference tensors
-(no version counter), and once FSDP2 (``fully_shard``) manages modules (it all-gathers new values
-into the same tensors with their version counters preserved).
-
-A slot holds weak references to W, A and B and is dropped when B is freed, so a new tensor at a
-reused address never matches.
+CUDA stream. Version counters do not see in-place writes through ``p.data``: after such a write
+outside an optimizer step (hand-editing adapters between two inference calls, a training loop
+whose backward torch.compile compiled, which cannot record that it ran, updated by hand), and
+after any write made during a forward or a ``generate`` call (``inference_norms`` checks once
+before them), call ``clear_norm_cache()``. Never stored: while torch.compile traces (a compiled
+graph recomputes, unless it reads an ``inference_norms`` state), under CUDA graph capture, for
+inference tensors (no version counter), and once FSDP2 (``fully_shard``) manages modules (it
+all-gathers new values into the same tensors, version counters preserved). A slot holds weak
+references to W, A and B and is dropped when B is freed: a new tensor at a reused address never
+matches.
 """
 
 from __future__ import annotations
@@ -55,8 +53,7 @@ _era_listeners: list = []  # called at the end of every era (inference_norms dis
 
 
 def on_era_end(listener) -> None:
-    """Call ``listener()`` whenever an era ends (optimizer step, training forward after a
-    backward, ``clear_norm_cache``)."""
+    """Call ``listener()`` whenever an era ends (see ``era``)."""
     _era_listeners.append(listener)
 
 
@@ -75,14 +72,13 @@ _OPTIMIZER_HOOK = register_optimizer_step_post_hook(_on_optimizer_step)
 
 
 def era() -> int:
-    """The number of the current training era (it grows at every optimizer step, training
-    forward after a backward, and ``clear_norm_cache``)."""
+    """The current era: it grows at every optimizer step, training forward after a backward,
+    and ``clear_norm_cache``."""
     return _era["number"]
 
 
 def backward_seen() -> bool:
-    """Whether a doracheck backward ran in this era (then no forward outside a backward may
-    reuse a norm: rule 3)."""
+    """Whether a doracheck backward ran in this era (rule 3: no reuse outside a backward)."""
     return bool(_era["backward_seen"])
 
 
@@ -94,8 +90,7 @@ def note_backward() -> None:
 
 
 def _compiling() -> bool:
-    """torch.compile, export or make_fx tracing (fake, proxy or functional tensors have no data
-    pointer to fingerprint, and a traced value must not be kept for eager calls)."""
+    """Tracing: fake or proxy tensors have no data pointer, and a traced value must not be kept."""
     return tracing()
 
 

@@ -141,8 +141,8 @@ def our_numerics(device_type: str):
       ``allow_fp16/bf16_reduced_precision_reduction`` default to True), so every reduction
       accumulates in fp32; the caller's settings are restored exactly (both parts of torch
       >= 2.10's (allow, allow_split_k) pair).
-    Nothing changes while torch.compile traces (the graph picks its own GEMMs). Entered several
-    times per eager layer call, so the common case takes a plain class (``_FlagsOff``)."""
+    Nothing changes while torch.compile traces. Entered several times per eager layer call, so
+    the common case takes a plain class (``_FlagsOff``)."""
     if torch.compiler.is_compiling() or _autocast_enabled(device_type):
         return _numerics_general(device_type)
     if device_type != "cuda" or tracing():

@@ -22,10 +22,9 @@ Variants (``Variant``):
 - ``save_xa`` (training): keep x·Aᵀ (T×r) from the forward, or recompute it (bitwise the same
   GEMM): T×r of activation memory against 2·T·r·d_in FLOPs.
 
-Memory allowance: a layer may add at most ``max(32 MiB, 0.25·T·d_out·itemsize)`` of peak memory
-over the plain linear layer's (the target: <= 1.25x nn.Linear + 32 MiB); in training the adapter
-gradients and their fp32 accumulators count first, and a variant is a candidate only if its own
-extra fits in what is left (the default always is).
+Memory allowance: at most ``max(32 MiB, 0.25·T·d_out·itemsize)`` of peak memory over the plain
+linear layer's (the target: <= 1.25x nn.Linear + 32 MiB); a variant's own extra must fit in what
+the adapter gradients and their fp32 accumulators leave in training (the default always fits).
 """
 
 from __future__ import annotations
@@ -226,12 +225,11 @@ def plan(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype = torch.
          timed: bool = False, device: torch.device | str = "cuda", dropout: bool = False, detach_norm: bool = True,
          ceilings: Ceilings = H200, measure: Callable[..., dict[str, float]] | None = None,
          refresh: bool = False) -> Plan:
-    """The variant for a DoRA layer of this shape, with every candidate's predicted time.
-
-    With ``timed`` the fastest measured candidate: ``measure(candidates, d_in, d_out, r, tokens,
-    dtype, training, device, dropout=..., detach_norm=...)`` -> {name: ms} times them side by
-    side once per shape (cached; ``refresh`` measures again); default
-    ``doracheck.measure.measure_variants``, imported when first needed (it imports the planner)."""
+    """The variant for a DoRA layer of this shape, with every candidate's predicted time. With
+    ``timed`` the fastest measured candidate: ``measure(candidates, d_in, d_out, r, tokens, dtype,
+    training, device, dropout=..., detach_norm=...)`` -> {name: ms} times them side by side once
+    per shape (cached; ``refresh`` measures again); default ``doracheck.measure.measure_variants``,
+    imported when first needed (it imports the planner)."""
     cands = candidates(d_in, d_out, r, tokens, dtype, training, dropout, detach_norm)
     predicted = {v.name: predict_ms(v, d_in, d_out, r, tokens, dtype, training, ceilings) for v in cands}
     if not timed:

@@ -6,8 +6,7 @@ torch twin and one entry in each backend below (docs/design.md section 7).
 
 Ops (``cd``: the compute dtype of ``base``; ``g`` = m / max(n, eps) in fp32; ``s`` the scaling):
 - ``factored_norm(weight, lora_A, lora_B, s, fan_in_fan_out, need_factors) -> FactoredNorm``;
-  ``need_factors`` asks for U = W·Aᵀ and G = A·Aᵀ too (the exact-norm backward), which only the
-  torch twin forms: the Triton twin hands those calls to it.
+  ``need_factors``: U = W·Aᵀ and G = A·Aᵀ too (exact-norm backward; torch twin only).
 - ``compose_infer(base, xa, lora_B, m, n_safe, bias, s, base_has_bias) -> y``: inference,
   y = b + g⊙(base [- b] + s·xa·Bᵀ) with g = m / n_safe formed by the op.
 - ``compose_saving(base, xa, lora_B, g, bias, s, base_has_bias, output_may_stand_for_z)
@@ -16,8 +15,7 @@ Ops (``cd``: the compute dtype of ``base``; ``g`` = m / max(n, eps) in fp32; ``s
 - ``compose_dropout(base, base_dropped, xa, lora_B, g, bias, s) -> (y, z_d)``.
 - ``grad_scale_dm(dy, h, g, n, bias, from_output, final_dm, reduce) -> (dz, dm partials)``.
 - ``dm_finish(parts, dy, x, weight_rows, xa, lora_B, g, n, s, out_dtype) -> dm``: the (P, d_out)
-  fp32 partial sums added in order, the features whose z the saved output lost recomputed,
-  rounded once to ``out_dtype``.
+  partials summed in order, the features the saved output lost recomputed, rounded once.
 Ops that may write into ``base`` in eager return the tensor to use; callers use it.
 """
 
@@ -134,7 +132,6 @@ def _build_at_import() -> None:
     not use CUDA). A triton that fails to import leaves the build to first use, so ``import
     doracheck`` and the torch path keep working."""
     import importlib.util
-
     if importlib.util.find_spec("triton") is None or torch.cuda.device_count() == 0:
         return
     try:

@@ -3,9 +3,7 @@
 Compose (docs/design.md section 2): evaluated in fp32, rounded once to the output dtype:
     y = base + b + (g - 1)⊙base_d + g⊙s⊙lora        (base_d = base without dropout)
 Never ``g·(base + s·lora) - base`` in low precision: near g ≈ 1 it cancels.
-
-dm reduction: S_i = Σ_t dy_ti·z_ti in fp32, so that dm = S / max(n, eps); the torch
-sum is deterministic on a given device.
+dm reduction: S_i = Σ_t dy_ti·z_ti in fp32, dm = S / max(n, eps) (deterministic per device).
 """
 
 from __future__ import annotations
@@ -24,11 +22,9 @@ def compose_torch(
     base_dropped: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y = base + b + (g-1)⊙base_d + g⊙s⊙lora, fp32 math, one rounding to ``base.dtype``.
-
-    ``base``, ``lora``, ``base_dropped``: (T, d_out); ``g``: fp32 (d_out,); ``bias``: (d_out,).
-    ``out`` may alias ``base`` (in place).
-    """
+    """y = base + b + (g-1)⊙base_d + g⊙s⊙lora, fp32 math, one rounding to ``base.dtype``. ``base``,
+    ``lora``, ``base_dropped``: (T, d_out); ``g``: fp32 (d_out,); ``bias``: (d_out,). ``out`` may
+    alias ``base`` (in place)."""
     f32 = accumulation_dtype(base, g)
     gf = g.to(f32)
     base32 = base.to(f32)

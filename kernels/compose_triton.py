@@ -4,14 +4,12 @@
 epilogue reads the base output x·Wᵀ (and x_d·Wᵀ with dropout), g and b, and writes y once:
     no dropout: y = b + g⊙(base + s·lora)
     dropout:    y = b + base + (g-1)⊙base_d + g⊙s⊙lora
-all in fp32 registers, rounded once to the output dtype (docs/design.md section 2). ``y`` may
-alias ``base`` (each element is read before it is written, by the same program). Optionally it
-also writes z_d = base_d + s·lora (for the backward with dropout).
+in fp32 registers, rounded once to the output dtype (docs/design.md section 2); ``y`` may alias
+``base`` (each element is read before written, by one program); z_d = base_d + s·lora optional.
 
 ``_lora_up_compose_tma_kernel`` (forward, Hopper): the same compose without dropout or z,
-persistent (one program per SM walks the tiles in grouped order, the loop flattened so the next
-tile's loads overlap this one's epilogue), operands through TMA descriptors, 128×256 tiles.
-Taken where ``settings.compose_tma_config`` measured it faster and every operand suits TMA.
+persistent (one program per SM walks the tiles in grouped order, the next tile's loads overlapping
+this one's epilogue), through TMA descriptors, where ``settings.compose_tma_config`` says.
 
 ``_grad_scale_dm_kernel`` (backward): one pass over dy giving dz = g⊙dy (output dtype) and fp32
 partial sums over token blocks of dy⊙(y - b) (from the saved output) or dy⊙z; the partials
@@ -175,11 +173,9 @@ def _grad_scale_dm_kernel(
     With FINAL_DM each partial is its share of dm = Σ_t dy⊙z / max(n, eps): divided by
     max(n, eps) for h = z, by g·max(n, eps) (= m) for h = g·z, where g = 0 gives 0 for a zero
     row (n < eps, z = 0) and NaN otherwise (z is lost from y). Saves the host the finishing ops.
-
     Rows with n < eps have g = m/eps (up to 1e12): there dz saturates at ±MAX_OUT (the output
-    dtype's largest finite value) instead of overflowing to inf, so that the zero rows of W
-    and B that multiply it give 0, not inf·0 = NaN. NaN in dy still propagates.
-    """
+    dtype's largest finite value) instead of overflowing to inf, so that the zero rows of W and
+    B that multiply it give 0, not inf·0 = NaN. NaN in dy still propagates."""
     pid_t = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1).to(tl.int64)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -223,8 +219,7 @@ def lora_up_compose_triton(
 ) -> torch.Tensor:
     """y = compose(base, xa·Bᵀ, g) in base.dtype; ``out`` may be ``base`` itself (in place).
     ``base_has_bias``: ``base`` already holds x·Wᵀ + b (no dropout): y = g⊙(base - b + s·lora) + b.
-    ``n_safe``: then ``g`` is the magnitude m and the kernel forms g = m / n_safe itself
-    (correctly rounded, as torch divides), which saves the host one op per call."""
+    ``n_safe``: ``g`` is m and the kernel forms g = m / n_safe (correctly rounded): one host op less."""
     T, d_out = base.shape
     r = xa.shape[1]
     y = out if out is not None else torch.empty_like(base)

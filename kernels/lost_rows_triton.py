@@ -9,10 +9,9 @@ is gone and the dz/dm pass can only mark dm_i as lost (NaN). This pass forms
     dm_i = Σ_t dy_ti·z_ti / max(n_i, eps)  where lost,   z_ti = Σ_k x_tk·W_ik + s·Σ_j xa_tj·B_ij
 
 rounded once to the output's dtype: one launch instead of three host operations (the sum, the
-lost-row kernel, the cast) on a host-bound training step.
-
-One program per BLOCK_D features, the partials read coalesced; a block with no lost feature (the
-common case) recomputes nothing. A lost feature costs O(T·(d_in + r)) reads; fp32, fixed order.
+lost-row kernel, the cast) on a host-bound training step. One program per BLOCK_D features, the
+partials read coalesced; a block with no lost feature (the common case) recomputes nothing. A
+lost feature costs O(T·(d_in + r)) reads; fp32, fixed order.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ W is read in column chunks of ``chunk`` input features, upcast chunk by chunk, s
 size d_out × d_in is allocated beyond W. Every reduction accumulates in fp32, or fp64 when any
 input is fp64 (gradcheck). Extra memory, in bytes:
     4·(d_out·r + r² + 3·d_out + r·chunk) + 8·d_out·chunk
-(U, G, the three term vectors, an fp32 A chunk, and the fp32 W chunk plus its square).
-No autograd here: callers wrap this.
+(U, G, the three term vectors, an fp32 A chunk, and the fp32 W chunk plus its square). No
+autograd here: callers wrap this.
 """
 
 from __future__ import annotations

@@ -18,13 +18,12 @@ Kernels: ``_rowdot_kernel`` (per-row partials of Σ_j C⊙(X·Yᵀ), launched as
 in a fixed order, no atomics, and cuBLAS is bitwise reproducible with a fixed workspace
 configuration: the norm is bitwise deterministic.
 
-Precision: 16-bit X runs on bf16/fp16 tensor cores with fp32 accumulation (cuBLAS's U too: exact
-products, fp32 accumulation and split-K partials). A Y of another dtype is split into pieces of
-X's dtype, not rounded: fp32 (or fp16-under-bf16) A into two (hi + lo: 16 bits in bf16; cuBLAS's
-GEMM has 2r columns, the row-dot kernel runs twice), G into three with bf16 B (about all 24
-bits; K = r, so cheap). With fp16 B the lora GEMM runs in fp32 (tf32x3): fp16 pieces of G would
-overflow or fall into subnormals. fp32 X uses ``tf32x3`` (about fp32 accuracy).
-``fan_in_fan_out`` is read through strides.
+Precision: 16-bit X runs on tensor cores with fp32 accumulation (cuBLAS's U too: exact products,
+fp32 accumulation and split-K partials). A Y of another dtype is split into pieces of X's dtype,
+not rounded: fp32 (or fp16-under-bf16) A into two (hi + lo: 16 bits in bf16), G into three with
+bf16 B (about all 24 bits; K = r, so cheap). With fp16 B the lora GEMM runs in fp32 (tf32x3):
+fp16 pieces of G would overflow or fall into subnormals. fp32 X uses ``tf32x3`` (about fp32
+accuracy). ``fan_in_fan_out`` is read through strides.
 
 Why two paths (H200, bf16, r = 384; figures in ``settings.cublas_cross_pieces``): the row-dot
 kernel is right only with 64-wide tiles when it also sums W², and the fused base term slows it,
@@ -306,19 +305,10 @@ def gram_triton(lora_A: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     return part.sum(0) if splits > 1 else part[0]
 
 
-def rowdot_triton(
-    X: torch.Tensor, x_strides, Y: torch.Tensor, C: torch.Tensor, *, compute_base: bool, pieces: int = 2
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(Σ_j C⊙(X·Yᵀ) per row, Σ_k X² per row or None), fp32, for X (M, K) read through
-    ``x_strides``; an fp32 Y is split into ``pieces`` 16-bit pieces when X is 16-bit."""
-    part, sq = rowdot_parts(X, x_strides, Y, C, compute_base=compute_base, pieces=pieces)
-    return (part.sum(0) if part.shape[0] > 1 else part[0]), (None if sq is None else sq.sum(0) if sq.shape[0] > 1 else sq[0])
-
-
 def rowdot_parts(
     X: torch.Tensor, x_strides, Y: torch.Tensor, C: torch.Tensor, *, compute_base: bool, pieces: int = 2
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``rowdot_triton`` before its last step: the fp32 partials unsummed, (split K × column
+    """(Σ_j C⊙(X·Yᵀ) per row, Σ_k X² per row or None) as fp32 partials, unsummed, (split K × column
     tiles, M), and Σ X² as (split K, M) partials or None."""
     M, N = C.shape
     K = Y.shape[1]

@@ -7,13 +7,12 @@ torch.export keep it as one node, which launches its kernels as eager code does.
 the token block of its partials from ``settings.grad_config`` as the kernel does.
 
 In eager, ``call`` runs the implementations directly (the dispatcher and ``wrap_triton`` cost
-about 0.2 ms of CPU per call, which would dominate decode (T = 1) on an H200), on the tensors'
-device (``launch_device``), and writes y in place into the base output (``lora_up_compose_``,
-``lora_up_compose_save_z_``: no T×d_out buffer). While tracing it calls the functional op
-(callers use the returned tensor either way), so a graph needs no mutation analysis and
-Inductor plans the buffers. Traced launches never pass one tensor as two pointer arguments
-(that made Inductor miscompute the norm: ``norm_triton.rowdot_parts``); in eager an unread
-pointer may repeat another (``triton_common.unused_pointer``).
+about 0.2 ms of CPU per call, which would dominate decode (T = 1) on an H200) and writes y in
+place into the base output (``lora_up_compose_``, ``lora_up_compose_save_z_``: no T×d_out
+buffer); while tracing it calls the functional op, so a graph needs no mutation analysis.
+Traced launches never pass one tensor as two pointer arguments (that made Inductor miscompute
+the norm: ``norm_triton.rowdot_parts``); in eager an unread pointer may repeat another
+(``triton_common.unused_pointer``).
 
 Ops (namespace ``doracheck``, registered below; meanings as in ``backends``' docstring):
 factored_norm ((4, d_out) fp32 rows base, cross, lora, norm), lora_up_compose,
@@ -196,18 +195,17 @@ def _dm_finish_fake(parts, dy, x, weight_rows, xa, lora_B, g, n, scaling, out_dt
 
 
 def _register(name: str, body: Callable[..., Any], fake: Callable[..., Any]):
-    """``doracheck::name`` as a functional op with fake (meta) implementation ``fake``.
-
-    Opaque by default (``torch.library.custom_op``: the op launches its kernels as eager code
-    does, the TMA compose included); with ``DORACHECK_TRACE_KERNELS=1`` at import,
-    ``torch.library.triton_op``, which Inductor traces into. Why opaque: Inductor runs Triton's
-    front end on every traced ``triton_op`` launch to learn which arguments it writes
-    (``identify_mutated_tensors``, uncached: 690 TTIR generations in the first compiled step of
-    the 4-layer benchmark model, torch 2.11), making doracheck's compile twice PEFT DoRA's;
-    these ops mutate nothing. Why a ``fake`` that only allocates: the body picks tiles from the
-    shapes (T <= 16, the token blocks), and on symbolic shapes each choice would become a guard,
-    a recompile per tile bucket; the output shapes do not depend on them
-    (``tests/kernels/test_ops_fakes.py`` runs ``torch.library.opcheck`` on each op)."""
+    """``doracheck::name`` as a functional op with fake (meta) implementation ``fake``. Opaque by
+    default (``torch.library.custom_op``: the op launches its kernels as eager code does, the TMA
+    compose included); with ``DORACHECK_TRACE_KERNELS=1`` at import, ``torch.library.triton_op``,
+    which Inductor traces into. Why opaque: Inductor runs Triton's front end on every traced
+    ``triton_op`` launch to learn which arguments it writes (``identify_mutated_tensors``,
+    uncached: 690 TTIR generations in the first compiled step of the 4-layer benchmark model, torch
+    2.11), making doracheck's compile twice PEFT DoRA's; these ops mutate nothing. Why a ``fake``
+    that only allocates: the body picks tiles from the shapes (T <= 16, the token blocks), and on
+    symbolic shapes each choice would become a guard, a recompile per tile bucket; the output
+    shapes do not depend on them (``tests/kernels/test_ops_fakes.py`` runs
+    ``torch.library.opcheck`` on each op)."""
     if _TRACE_KERNELS:
         return triton_op(f"doracheck::{name}", _guarded(body), mutates_args=())
     op = torch.library.custom_op(f"doracheck::{name}", _guarded(body), mutates_args=())

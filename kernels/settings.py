@@ -1,8 +1,7 @@
 """Launch-policy and memory-policy constants, in one place. Each says where it came from.
 
-NORM_CHUNK_BYTES: budget for the fp32 W chunk (and its square) of the torch factored norm.
-  Keeps the fallback's extra memory far below a dense d_out × d_in temporary while keeping
-  each chunk GEMM large (at d_out = 8192 a 32 MiB budget gives 512-column chunks).
+NORM_CHUNK_BYTES: the torch factored norm's fp32 W chunk (and its square), far below a dense
+  d_out × d_in temporary with large chunk GEMMs (at d_out = 8192: 512-column chunks).
 
 Triton configs are chosen ahead of time (no ``triton.autotune``: its trials would run on real
 arguments, and the interpreter cannot benchmark); under TRITON_INTERPRET=1 they are small blocks.
@@ -118,17 +117,16 @@ def cublas_cross_pieces(weight_dtype: torch.dtype, lora_A_dtype: torch.dtype) ->
     (``norm_triton.norm_from_u``), A of W's 16-bit dtype; 2, the same with A of another dtype
     (fp32 adapters on 16-bit W, PEFT's default) split into hi + lo pieces of W's dtype,
     U = W·[A_hi; A_lo]ᵀ as one GEMM of 2r columns (``norm_triton.cross_product_u``).
-
     H200, bf16, r = 384, µs: the row-dot kernel with the base term fused (128×64 tiles, the only
-    ones right with it) 195.8 / 213.8 / 69.3 at 14336×4096 / 4096×14336 / 4096²; cuBLAS's W·Aᵀ alone
-    75.5 / 67.0 / 26.8 (597-673 TFLOP/s) and the base term alone 47.5 / 55.1 / 24.2. The fused
-    base term is what holds the kernel back: without it the same tiles took 137.9 / 141.0 / 62.4,
-    and the wide tiles, which are right only without it, 114.5-140.6.
+    ones right with it) 195.8 / 213.8 / 69.3 at 14336×4096 / 4096×14336 / 4096²; cuBLAS's W·Aᵀ
+    alone 75.5 / 67.0 / 26.8 (597-673 TFLOP/s) and the base term alone 47.5 / 55.1 / 24.2. The
+    fused base term holds the kernel back: without it the same tiles took 137.9 / 141.0 / 62.4,
+    and the wide tiles, right only without it, 114.5-140.6.
     Two pieces (fp32 adapters on bf16 W), the whole training-form norm from graph replays,
     row-dot → cuBLAS µs: 14336×4096 570.3 → 313.9, 4096×14336 618.6 → 296.2, 4096²
     224.1 → 129.9, 8192² 551.1 → 317.8, fan_in_fan_out 4096² 339.0 → 162.0; error of n against
-    fp64 1.6-1.7e-7 both ways; one eager call's scratch 36.8 MiB at 8192² (9.6 on the row-dot path:
-    the difference is the pieces and U of 2r columns)."""
+    fp64 1.6-1.7e-7 both ways; one eager call's scratch 36.8 MiB at 8192² (9.6 on the row-dot
+    path: the difference is the pieces and U of 2r columns)."""
     if not HAS_MM_DTYPE or weight_dtype not in (torch.bfloat16, torch.float16):
         return 0
     return 1 if lora_A_dtype == weight_dtype else 2
@@ -139,7 +137,6 @@ def norm_reduce_config(M: int, K: int, N: int, rows_contiguous: bool) -> NormRed
     Rows along K contiguous: BLOCK_M × BLOCK_K = 4096 elements a load, BLOCK_M at most 8 and as
     large as leaves at least 512 programs (about four per SM on an H200's 132); fan_in_fan_out
     (rows contiguous across M): 64 × 64 tiles, so a load still reads 128 contiguous bytes.
-
     H200, bf16, r = 384, whole training-form norm from graph replays, µs with BLOCK_M
     16 / 8 / 4 / 2: 8192²: 173.1 / 158.6 / 164.2 / 168.5; 14336×4096: 169.7 / 168.2 / 177.6 /
     177.8; 4096×14336: 185.6 / 144.4 / 142.9 / 144.9; 1024×4096: 45.6 / 39.3 / 38.8 / 37.5.
@@ -181,27 +178,23 @@ def compose_config(T: int, d_out: int, r: int) -> ComposeConfig:
     return ComposeConfig(64, 128, block_k, 8, 4, 3)
 
 
-# The persistent TMA compose replaces the pointer kernel where it was measured faster: H200, bf16,
-# CUDA-graph replays (y bitwise the pointer kernel's everywhere), µs pointer kernel (64×128×64) ->
-# persistent TMA 128×256×64, 8 warps, 3 stages, flattened loop over tiles, epilogue in two
-# 128-column halves, one program per SM, at r = 384: T 4096 × d_out 8192: 93.7 -> 75.4; × 14336:
-# 170.7 -> 130.4; × 4096: 48.4 -> 39.2; × 1024: 12.5 -> 9.8; T 1024 × 4096: 12.5 -> 9.9. Slower with
-# too few tiles to fill the SMs (T 512 × 4096, 64 tiles: 7.1 -> 8.9; T 256 × 1024: 4.9 -> 8.7) and
-# at r = 16 (T 4096 × 4096: 22.6 -> 29.5), where the epilogue is all of the work. Not measured
-# between r 16 and 384: the threshold below sits at 128. Other TMA tiles: 2 stages 89.9, 256×128
-# 76.8, 64×128 (1 or 2 programs per SM) 81.2-135.7; 4 stages or 128-wide K exceed the shared memory.
-# Pointer loads with the same persistent 128×256 structure: 81.6-83.3. T below 1024 (the smallest
-# measured gain) with a d_out wide enough for 128 tiles is not measured.
+# The persistent TMA compose where measured faster: H200, bf16, CUDA-graph replays (y bitwise the
+# pointer kernel's), µs pointer kernel (64×128×64) -> TMA 128×256×64, 8 warps, 3 stages, one
+# program per SM, at r = 384: T 4096 × d_out 8192: 93.7 -> 75.4; × 14336: 170.7 -> 130.4; × 4096:
+# 48.4 -> 39.2; × 1024: 12.5 -> 9.8; T 1024 × 4096: 12.5 -> 9.9. Slower with too few tiles to fill
+# the SMs (T 512 × 4096, 64 tiles: 7.1 -> 8.9; T 256 × 1024: 4.9 -> 8.7) and at r = 16 (T 4096²:
+# 22.6 -> 29.5), where the epilogue is all the work; r between 16 and 384 unmeasured (threshold
+# 128). Other TMA tiles: 2 stages 89.9, 256×128 76.8, 64×128 (1 or 2 programs per SM) 81.2-135.7;
+# 4 stages or 128-wide K exceed the shared memory. Pointer loads, same persistent 128×256
+# structure: 81.6-83.3. T below 1024 with d_out wide enough for 128 tiles is unmeasured.
 COMPOSE_TMA_MIN_TILES = 128
 COMPOSE_TMA_MIN_RANK = 128
 COMPOSE_TMA_MIN_TOKENS = 1024
 
 
 def compose_tma_config(T: int, d_out: int, r: int) -> ComposeConfig | None:
-    """The persistent TMA compose's tiles for this shape (``compose_triton._lora_up_compose_tma_kernel``:
-    at most one program per SM walks them, the epilogue in two column halves), or None where the
-    pointer kernel is faster (or unmeasured). Under the interpreter small tiles at every T > 16
-    (so CI runs the kernel at small shapes)."""
+    """The persistent TMA compose's tiles for this shape, or None where the pointer kernel is
+    faster (or unmeasured). Under the interpreter small tiles at every T > 16 (so CI runs it)."""
     if _interpreting():
         return ComposeConfig(16, 32, 16, 2, 4, 1) if T > 16 else None
     tiles = -(-T // 128) * -(-d_out // 256)
@@ -221,15 +214,13 @@ def grad_config(T: int, d_out: int) -> GradConfig:
     return GradConfig(64, 64, 4)
 
 
-# Backward: dz = g⊙dy is materialised a token chunk at a time when the whole of it would
-# exceed this many bytes, so the training peak stays near plain nn.Linear's (y + dx).
-# H200, 8192×8192, r = 384, T = 4096, bf16: without chunking and with an out-of-place addmm the
-# fwd+bwd peak is 262 MiB above resident against nn.Linear's 128 MiB. Each chunk costs two host
-# calls (the dz/dm launch and dx += dz·W), which the host-bound eager step pays. Same layer:
-# fwd+bwd peak 158 / 174 / 204 MiB at 16 / 32 / 64 MiB against the 192 MiB bound
-# tests/kernels/test_kernels_gpu.py holds (1.25 × nn.Linear's 128 + 32); model step + fused AdamW, host
-# CPU per step at 16 / 32 MiB: 98.1 / 93.1 ms and, on another host, 107.4 / 98.5 ms (one process
-# each, configurations interleaved).
+# Backward: dz = g⊙dy a token chunk at a time when the whole would exceed this many bytes, so the
+# training peak stays near plain nn.Linear's (y + dx). H200, 8192×8192, r = 384, T = 4096, bf16:
+# unchunked with an out-of-place addmm the fwd+bwd peak is 262 MiB above resident (nn.Linear:
+# 128). Each chunk costs two host calls (the dz/dm launch, dx += dz·W). Same layer: peak 158 /
+# 174 / 204 MiB at 16 / 32 / 64 MiB against the 192 MiB bound tests/kernels/test_kernels_gpu.py
+# holds (1.25 × 128 + 32); model step + fused AdamW, host CPU per step at 16 / 32 MiB: 98.1 /
+# 93.1 ms and, on another host, 107.4 / 98.5 ms (one process each, interleaved).
 BACKWARD_CHUNK_BYTES = 32 * 1024 * 1024
 
 

@@ -7,14 +7,13 @@ The folder ``reference/`` is installed as ``doracheck.reference`` (``package-dir
 layout and the import picture are in docs/design.md section 5).
 """
 
-from .baselines import naive_compose, naive_peft_compose, peft_style_dora
+from .baselines import naive_compose, peft_style_dora
 from .conditions import output_conditions
 from .metrics import (
     UNIT_ROUNDOFF,
     dot_error_bound,
     gamma,
     max_ulp,
-    mean_ulp,
     rel_l2,
     ulp_distance,
     ulp_error,
@@ -40,14 +39,12 @@ __all__ = [
     "gamma",
     "magnitude_scale_ref",
     "max_ulp",
-    "mean_ulp",
     "mp_compose",
     "output_conditions",
     "mp_dora_forward",
     "mp_magnitude_scale",
     "mp_norm_terms",
     "naive_compose",
-    "naive_peft_compose",
     "norm_terms_ref",
     "peft_style_dora",
     "precision",

@@ -66,13 +66,3 @@ def naive_compose(
     dt = base.dtype
     out = g.to(dt) * (base + scaling * lora.to(dt))
     return out + bias.to(dt) if bias is not None else out
-
-
-def naive_peft_compose(
-    base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scaling: float, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """PEFT's form ``(base + b) + (g - 1)·base + g·s·lora`` with g and every step in base.dtype."""
-    dt = base.dtype
-    gl = g.to(dt)
-    out = base + (gl - 1) * base + gl * lora.to(dt) * scaling
-    return out + bias.to(dt) if bias is not None else out

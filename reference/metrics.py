@@ -72,11 +72,6 @@ def max_ulp(actual: torch.Tensor, exact: torch.Tensor) -> float:
     return float(err.max()) if err.numel() else 0.0
 
 
-def mean_ulp(actual: torch.Tensor, exact: torch.Tensor) -> float:
-    err = ulp_error(actual, exact)
-    return float(err.mean()) if err.numel() else 0.0
-
-
 def rel_l2(actual: torch.Tensor, exact: torch.Tensor) -> float:
     """||actual - exact||_2 / ||exact||_2 in float64 (0 when both are empty or zero; inf if NaN differs)."""
     act = actual.detach().to(torch.float64)

@@ -1,11 +1,10 @@
 """``doracheck audit``: health and numerical audit of DoRA checkpoints (safetensors only).
 
-``audit_path(path, base=None, config=None, device="auto")`` returns an ``AuditReport``, one
-module's tensors in memory at a time. ``AuditInputError`` means unusable input: a pickle
-checkpoint, a hostile or corrupt file, a wrongly typed config value, or a ``base`` matching none
-of the adapter's DoRA modules. A plain LoRA adapter (no magnitude vector, no ``use_dora: true``)
-is not an input error: its structure and values are checked, and ``AuditReport.plain_lora`` plus
-a note say that nothing DoRA-specific was audited.
+``audit_path`` returns an ``AuditReport``, one module's tensors in memory at a time.
+``AuditInputError`` means unusable input: a pickle checkpoint, a hostile or corrupt file, a
+wrongly typed config value, or a ``base`` matching none of the adapter's DoRA modules. A plain
+LoRA adapter (no magnitude, no ``use_dora: true``) is checked, and ``AuditReport.plain_lora``
+plus a note say that nothing DoRA-specific was audited.
 """
 
 from __future__ import annotations

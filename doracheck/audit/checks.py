@@ -235,17 +235,16 @@ def correlation(a: torch.Tensor, b: torch.Tensor) -> float | None:
 
 
 def _base_agreement(report: ModuleReport, m: torch.Tensor, n: torch.Tensor, n_shifted: torch.Tensor, median_g: float) -> None:
-    """``base.mismatch``: whether the stored magnitudes belong to this base.
-
-    PEFT initialises m = ||W + s·B·A|| row by row (g = 1) and training moves each m_i by a
-    relative δ_i, so m follows the base's row norms n. The base's rows shifted by half
-    (``n_shifted``: W's row i with B·A's row i + d_out/2) are a base of the right shapes whose
-    rows do not belong to m. Fires when the base is informative (corr(n, n_shifted) < 0.5; an
-    s·B·A that dominates W makes every base look alike), m is not near PEFT's init (median
-    |g-1| > 0.02), and corr(m, n) - corr(m, n_shifted) < 0.25. With the right base that excess
-    is about c / sqrt(c² + var δ) for row norms spreading by a relative c, less a shuffle's
-    noise 1/sqrt(d_out); a tiny LLaMA trained 100 steps (fp32, bf16): corr 0.79-0.91, and with a
-    base of another seed an excess of -0.31 to 0.21 (tests/audit/test_audit_base.py)."""
+    """``base.mismatch``: whether the stored magnitudes belong to this base. PEFT initialises
+    m = ||W + s·B·A|| row by row (g = 1) and training moves each m_i by a relative δ_i, so m
+    follows the base's row norms n. The base's rows shifted by half (``n_shifted``: W's row i with
+    B·A's row i + d_out/2) are a base of the right shapes whose rows do not belong to m. Fires
+    when the base is informative (corr(n, n_shifted) < 0.5; an s·B·A that dominates W makes every
+    base look alike), m is not near PEFT's init (median |g-1| > 0.02), and
+    corr(m, n) - corr(m, n_shifted) < 0.25. With the right base that excess is about
+    c / sqrt(c² + var δ) for row norms spreading by a relative c, less a shuffle's noise
+    1/sqrt(d_out); a tiny LLaMA trained 100 steps (fp32, bf16): corr 0.79-0.91, and with a base of
+    another seed an excess of -0.31 to 0.21 (tests/audit/test_audit_base.py)."""
     rho, rho_shifted, informative = correlation(m.cpu(), n), correlation(m.cpu(), n_shifted), correlation(n, n_shifted)
     excess = None if rho is None or rho_shifted is None else rho - rho_shifted
     report.stats["base_agreement"] = {"correlation": rho, "correlation_shifted": rho_shifted, "excess": excess,
@@ -277,7 +276,6 @@ def check_norm_and_scale(report: ModuleReport, W, A, B, m, scaling: float, fan_i
     """Norm terms by the factored kernel, cancellation, near-zero rows, g statistics,
     collapse zones and overflow headroom. Returns g (fp32)."""
     import doracheck
-
     terms = doracheck.factored_norm(W.to(device), A.to(device), B.to(device), scaling, fan_in_fan_out=fan_in_fan_out, return_terms=True)
     assert isinstance(terms, doracheck.NormTerms)
     base, cross, lora, n = (t.double().cpu() for t in terms)
@@ -395,7 +393,6 @@ def update_memory_bound(report: ModuleReport, d_out: int, d_in: int, r: int, dev
     from doracheck.dispatch import choose_path
     from doracheck.kernels import norm_memory_bound
     from doracheck.kernels.settings import cublas_cross_pieces, triton_norm_memory_bound
-
     path = choose_path(torch.device(device)).name
     if path == "triton":
         bases = (weight_dtype,) if weight_dtype is not None else (torch.bfloat16, torch.float16)

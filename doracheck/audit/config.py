@@ -3,10 +3,9 @@
 PEFT writes these keys with fixed JSON types; a hand-edited or foreign config that breaks them
 would crash the audit or be read wrongly (``"false"`` is a true string, ``2.7`` is not a rank).
 Each bad value becomes one line naming the key, what was expected and what was found, all
-reported together as one ``AuditInputError`` (exit 2).
-
-Keys read: r, lora_alpha, rank_pattern, alpha_pattern (regular expression -> value, as in PEFT),
-use_rslora, use_dora, fan_in_fan_out, target_modules (type only); absent or null: PEFT's default.
+reported together as one ``AuditInputError`` (exit 2). Keys read: r, lora_alpha, rank_pattern,
+alpha_pattern (regular expression -> value, as in PEFT), use_rslora, use_dora, fan_in_fan_out,
+target_modules (type only); absent or null: PEFT's default.
 """
 
 from __future__ import annotations

@@ -7,10 +7,9 @@ Naming schemes recognised:
   ``.alpha``. Their ``dora_scale`` is a norm over another axis (per input feature by default),
   so these modules get structural checks and a format note, not PEFT's numerics.
 
-Scaling follows PEFT: r and lora_alpha from adapter_config.json (type-checked in ``config.py``),
-overridden per module by ``rank_pattern`` / ``alpha_pattern`` (as
-``peft.utils.other.get_pattern_key``), s = alpha / r, or alpha / sqrt(r) with ``use_rslora``.
-Modules are listed in natural order of their names (layers.2 before layers.10).
+Scaling follows PEFT: r and lora_alpha from adapter_config.json (``config.py``), overridden per
+module by ``rank_pattern`` / ``alpha_pattern`` (``pattern_key``), s = alpha / r, or
+alpha / sqrt(r) with ``use_rslora``. Modules come in natural order (layers.2 before layers.10).
 """
 
 from __future__ import annotations

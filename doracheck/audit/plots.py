@@ -1,7 +1,6 @@
 """Per-module figures for the audit's HTML report (matplotlib, drawn from ``ModuleReport.arrays``).
 
-One figure per numerically audited module, three histograms (not per-feature scatter plots,
-so a 14336-feature layer stays a few kB of SVG):
+One figure per numerically audited module, three histograms (a 14336-feature layer: a few kB):
 1. g - 1 against the zones where bf16 (-2^-9..+2^-8) and fp16 (-2^-12..+2^-11) round g to 1,
    with the noise floor of g;
 2. the three norm terms per feature, ||W||², |2s·<W,BA>| and s²·||BA||², on a log axis;

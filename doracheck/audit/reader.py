@@ -25,8 +25,7 @@ _DTYPE_BYTES = {
 
 
 class AuditInputError(Exception):
-    """Unusable input. Each problem is one line naming the file and the problem (``lines``);
-    most errors carry one, a config with several bad values carries one per value."""
+    """Unusable input: ``lines``, one per problem (a config may have several), naming the file."""
 
     def __init__(self, *lines: str):
         self.lines = list(lines) or ["unusable input"]
@@ -55,11 +54,10 @@ def pickle_error(path: Path, what: str, role: str) -> AuditInputError:
 
 
 def pickle_kind(path: Path, prefix: bytes) -> str | None:
-    """How ``path`` looks like a PyTorch pickle checkpoint, from its first bytes and its name, or None.
-
-    A safetensors file has its JSON header at byte 8, which starts with '{'; only files without it
-    are judged: zip magic PK\\x03\\x04 (torch.save), pickle protocol 2-5 magic \\x80 0x02..0x05
-    (legacy torch.save, pickle.dump), or a .bin/.pt/.pth/.ckpt/.pkl name."""
+    """How ``path`` looks like a PyTorch pickle checkpoint, from its first bytes and name, or None.
+    Only files without a safetensors header ('{' at byte 8) are judged: zip magic PK\\x03\\x04
+    (torch.save), pickle protocol 2-5 magic \\x80 0x02..0x05 (legacy torch.save, pickle.dump), or a
+    .bin/.pt/.pth/.ckpt/.pkl name."""
     if prefix[8:9] == b"{":
         return None
     if prefix.startswith(b"PK\x03\x04"):
@@ -165,7 +163,6 @@ class SafetensorsFile:
 
     def __init__(self, path: Path, role: str = "adapter"):
         from safetensors import SafetensorError, safe_open
-
         self.path = Path(path)
         self.tensors, self.metadata = read_header(self.path, role)
         self._stack = ExitStack()

@@ -1,11 +1,10 @@
 """A small sample DoRA adapter in PEFT's on-disk format, with its base model, for demos and tests.
 
 ``write_sample(folder)`` writes adapter_model.safetensors, adapter_config.json and
-base_model.safetensors (a 2-layer toy with q/v projections, r = 8, alpha = 16) into ``folder``
-(created if needed), never overwriting: if any of the three exists, ``AuditInputError`` names it.
-``fresh=True``: an untrained adapter as PEFT initialises one (lora_B = 0, magnitude = fp32 row
-norms of W); otherwise lora_B is small and random and the magnitude 0.1% off the norm, like a
-trained adapter. ``defects`` plants problems the audit must find.
+base_model.safetensors (a 2-layer toy with q/v projections, r = 8, alpha = 16) into ``folder``,
+never overwriting (``AuditInputError`` names an existing file). ``fresh=True``: an untrained
+adapter as PEFT initialises one (lora_B = 0, m = fp32 row norms of W); else lora_B small and
+random and m 0.1% off the norm, like a trained adapter. ``defects`` plants problems to find.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """``doracheck audit PATH [--base PATH] [--config FILE] [--json] [--verbose] [--report FILE.html]
-[--device auto|cpu|cuda] [--strict]``.
+[--device auto|cpu|cuda] [--strict]``: options, output and exit codes in docs/cli.md.
 
-Text output: the summary table (modules in numeric order), the findings (errors and warnings;
-``--verbose`` adds info), a summary line, the norm scratch memory, and a legend of the columns
-(left out with ``--quiet`` or when CI is set). ``--json`` prints one JSON object instead.
-``--report FILE.html`` also writes a self-contained HTML file (table, legend, findings,
-per-module plots; needs matplotlib), only over a new file or an earlier doracheck report
-(checked before any work; moved into place when complete). A progress bar over modules goes
-to stderr on a terminal (not under ``--json`` or CI).
-
-Exit codes:
-  0  no error findings (warnings allowed), including a plain LoRA adapter (checked, with a
-     notice that nothing DoRA-specific was audited);
-  1  error findings; with ``--strict`` also any warning, and a plain LoRA adapter (so a
-     pipeline that expects DoRA fails when ``use_dora=True`` was forgotten);
-  2  unusable input or usage: missing or corrupt files, a PyTorch pickle (never unpickled), a
-     wrongly typed adapter_config.json value, a ``--base`` matching none of the modules, a
-     ``--report`` that cannot be written, would replace another file or lacks matplotlib; one
-     line on stderr per problem, never a traceback;
-  130 interrupted (Ctrl-C); a closed stdout (``| head``) ends quietly with 141.
-
-``--make-sample``: hidden, deprecated alias of ``doracheck sample PATH`` (one-line notice).
+Text output: the summary table, the findings (``--verbose`` adds info), a summary line, the norm
+scratch memory and a legend (left out with ``--quiet`` or under CI); ``--json``: one JSON object.
+With ``--strict`` a plain LoRA adapter exits 1 (a pipeline expecting DoRA fails when
+``use_dora=True`` was forgotten). ``--make-sample``: hidden, deprecated alias of ``doracheck
+sample PATH`` (one-line notice).
 """
 
 from __future__ import annotations
@@ -67,7 +52,6 @@ def _finite_json(value):
 
 def print_text(report, verbose: bool, legend: bool = True) -> None:
     from doracheck.audit import summary
-
     print(f"{PROG}: {report.path} ({report.fmt}, {len(report.modules)} modules)")
     for i, note in enumerate(report.notes):  # a plain LoRA adapter's notice comes first
         print(f"{'notice' if report.plain_lora and i == 0 else 'note'}: {note}")
@@ -94,7 +78,6 @@ def print_text(report, verbose: bool, legend: bool = True) -> None:
 def _check_report_path(args) -> str | None:
     """The reason --report cannot be honoured (checked before the audit), or None."""
     from doracheck.cli.html_report import matplotlib_or_none, target_problem
-
     if not args.report:
         return None
     _, missing = matplotlib_or_none()
@@ -117,7 +100,6 @@ def _write_report(report, path: str, json_output: bool) -> None:
     from doracheck.audit.html import fill
     from doracheck.cli.html_report import Report, matplotlib_or_none
     from doracheck.cli.progress import Progress
-
     plt, _ = matplotlib_or_none()
     doc = Report(f"doracheck audit: {report.path}")
     with Progress("report", len(report.modules), json_output=json_output, unit="module") as bar:
@@ -127,7 +109,6 @@ def _write_report(report, path: str, json_output: bool) -> None:
 
 def run(args) -> int:
     from doracheck.cli.verify_cmd import guarded
-
     return guarded("audit", _run, args)
 
 
@@ -135,7 +116,6 @@ def _audit(args) -> AuditReport | int:
     """The report, or the exit code 2 after printing the input problems."""
     from doracheck.audit import AuditInputError, audit_path
     from doracheck.cli.progress import Progress
-
     bars: list[Progress] = []
 
     def progress(i: int, total: int, name: str) -> None:

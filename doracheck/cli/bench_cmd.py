@@ -1,21 +1,8 @@
 """``doracheck bench``: time doracheck's DoRA layer against plain nn.Linear on this machine, and
-with ``--plan`` the planner's variants, predicted against measured, side by side.
-
-    doracheck bench [--shapes 4096x4096r16,...] [--tokens 1,4096] [--dtype bf16] [--mode infer,train]
-                    [--plan [--timed]] [--reps N] [--json] [--csv FILE]
-
-Shapes are d_in x d_out r rank. Times: ms per call, median and 10th-90th percentiles over
-``--reps`` samples of back-to-back calls after warm-up, a row's columns interleaved round-robin
-on the same inputs (``doracheck.timing.time_interleaved``; CUDA events on a GPU, the host clock
-and small default shapes on a CPU). ``infer``: a no_grad forward (norm cached); ``train``:
-forward + backward, every input but the frozen weight requiring grad. ``--plan``: per (shape,
-T, dtype, mode) every candidate's predicted ms (the cost model's, for an H200, on any device)
-and measured ms, the cost model's pick and the fastest; the summary counts the rows where the
-pick is within 5% of the fastest. ``--timed`` adds the timing mode's own choice. ``--csv FILE``
-gets the rows as measured (an existing FILE is replaced only once a row exists, through a
-temporary file; a FILE that is not a regular file is refused).
-Exit 0; 2 on bad arguments, an unwritable --csv, or out of memory (one line naming the row);
-130 when interrupted (measured rows stay in the CSV file).
+with ``--plan`` the planner's variants, predicted against measured, side by side (options, times
+and exit codes in docs/cli.md). A row's columns are interleaved round-robin on the same inputs
+(``doracheck.timing.time_interleaved``); ``--csv FILE`` gets the rows as they are measured
+(``measure.CsvRows``), so a run cut short keeps them.
 """
 
 from __future__ import annotations
@@ -151,7 +138,6 @@ def row_lines(row: dict, columns: Columns, plan: bool) -> list[str]:
 
 def run(args) -> int:
     from doracheck.cli.verify_cmd import guarded
-
     return guarded("bench", _run, args)
 
 
@@ -159,7 +145,6 @@ def _run(args) -> int:
     import torch
 
     from doracheck.measure import CsvRows
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         parsed = _parse(args, device.type == "cuda")
@@ -183,7 +168,6 @@ def _bench(args, device, parsed, csv_rows) -> int:
 
     from doracheck import planner
     from doracheck.measure import versions
-
     shapes, tokens, dtypes, modes = parsed
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     torch_dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -212,7 +196,6 @@ def _bench(args, device, parsed, csv_rows) -> int:
 def _out_of_memory(exc: BaseException) -> bool:
     """A CUDA or host allocation failure (torch raises RuntimeError for the CPU's)."""
     import torch
-
     if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
         return True
     text = str(exc).lower()
@@ -223,7 +206,6 @@ def _measure_rows(args, device, name: str, configs, columns: Columns, csv_rows, 
     """Measure, print and write each row as it comes; an exit code if the run stops early."""
     from doracheck.cli.progress import Progress
     from doracheck.cli.verify_cmd import interrupted
-
     # a bar under --json only: otherwise the table's lines show the progress
     progress = Progress("bench", len(configs), unit="row", draw=args.json)
     try:
@@ -237,7 +219,6 @@ def _measure_rows(args, device, name: str, configs, columns: Columns, csv_rows, 
 
 def _rows(args, device, name: str, configs, columns: Columns, csv_rows, rows: list[dict], progress) -> int | None:
     from doracheck.measure import bench_row
-
     what = ""
     for (d_in, d_out, r), T, dt, mode in configs:
         what = f"{d_in}x{d_out} r{r} T{T} {str(dt).removeprefix('torch.')} {mode}"
@@ -271,7 +252,6 @@ def _csv_note(args, csv_rows) -> str:
 
 def _finish(args, name: str, rows: list[dict]) -> int:
     from doracheck.measure import plan_summary, versions
-
     summary = plan_summary(rows, args.timed) if args.plan else {}
     if args.json:
         doc = {"device": name, **versions(), "reps": args.reps, "rows": rows, "summary": summary}

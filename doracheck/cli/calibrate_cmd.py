@@ -11,7 +11,6 @@ import sys
 
 def run(args) -> int:
     from doracheck.cli.verify_cmd import guarded
-
     return guarded("calibrate", _run, args)
 
 
@@ -20,7 +19,6 @@ def _run(args) -> int:
     from doracheck.cli.verify_cmd import _device, impl_and_dtypes
     from doracheck.properties import device_family
     from doracheck.properties.calibrate import calibrate, device_name
-
     if args.cases < 1:
         print("doracheck calibrate: --cases must be at least 1", file=sys.stderr)
         return 2

@@ -14,7 +14,6 @@ def collect() -> dict:
     from doracheck import __version__
     from doracheck.dispatch import describe_path, triton_available
     from doracheck.properties import device_family
-
     info: dict = {
         "doracheck": __version__,
         "python": platform.python_version(),
@@ -75,7 +74,6 @@ class VersionAction(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         from doracheck.cli.verify_cmd import stdout_closed
-
         try:
             print(version_line(), flush=True)
         except BrokenPipeError:
@@ -85,7 +83,6 @@ class VersionAction(argparse.Action):
 
 def run(args) -> int:
     from doracheck.cli.verify_cmd import guarded
-
     return guarded("env", _run, args)
 
 

@@ -1,13 +1,10 @@
 """Self-contained HTML reports (``audit --report``, ``verify --report``): one file, the plots
 inline as SVG made with matplotlib (the optional ``report`` extra), no network at view time.
-
 ``Report`` collects headings, tables, paragraphs and figures; ``write(path)`` goes through a
-temporary file in the same folder, moved into place at the end (no half-written report).
-
-A report never replaces a user's file: ``target_problem(path)`` (checked before a command does
-any work, and again just before the move) refuses a name without an .html/.htm suffix, a folder,
-a missing or read-only folder, and an existing file that is not an earlier doracheck report
-(``<!DOCTYPE html>`` first, holding ``GENERATOR``).
+temporary file in the same folder, moved into place at the end. A report never replaces a user's
+file: ``target_problem(path)`` (checked before a command does any work, and again just before the
+move) refuses a name without an .html/.htm suffix, a folder, a missing or read-only folder, and an
+existing file that is not an earlier doracheck report (``<!DOCTYPE html>``, ``GENERATOR``).
 """
 
 from __future__ import annotations
@@ -114,7 +111,6 @@ class Report:
         buf = io.StringIO()
         fig.savefig(buf, format="svg", bbox_inches="tight")
         import matplotlib.pyplot as plt
-
         plt.close(fig)
         svg = buf.getvalue()
         svg = svg[svg.index("<svg"):]  # drop the XML prologue: the SVG sits inside HTML

@@ -1,6 +1,5 @@
-"""``doracheck`` entry point. Exit codes: 0 all good, 1 findings or failed checks, 2 bad usage or
-unusable input (one line on stderr, never a traceback), 130 interrupted (Ctrl-C, one line), 141
-when the reader of stdout left (``doracheck ... | head``: a quiet stop, as a shell tool does)."""
+"""``doracheck`` entry point; exit codes (0, 1, 2, 130, 141) as in docs/cli.md: usage errors are
+one line on stderr, never a traceback."""
 
 from __future__ import annotations
 

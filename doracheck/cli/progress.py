@@ -1,9 +1,6 @@
-"""Progress bars for the long commands (audit, verify, calibrate, bench), with tqdm.
-
-A bar is drawn on stderr only when it is a terminal, ``CI`` is unset, and the command has
-nothing else to show meanwhile: audit, verify and calibrate unless ``--json``; bench only under
-``--json`` (its table prints each row as measured). Otherwise the bar is disabled and free, so
-logs, pipes and machine output get only the results.
+"""Progress bars for the long commands (audit, verify, calibrate, bench), with tqdm: on stderr
+only when it is a terminal, ``CI`` is unset and the command has nothing else to show meanwhile
+(docs/cli.md); otherwise disabled and free, so logs, pipes and machine output get only results.
 """
 
 from __future__ import annotations

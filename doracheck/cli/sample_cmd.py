@@ -1,13 +1,6 @@
-"""``doracheck sample PATH [--fresh]``: write a small sample DoRA adapter and its base model.
-
-PATH is a folder (created if missing) that receives adapter_model.safetensors,
-adapter_config.json (PEFT's format: 4 modules, r = 8, lora_alpha = 16) and
-base_model.safetensors; if any of the three exists nothing is written. Prints what it wrote and
-the audit command to run next.
-
-Exit codes: 0 written; 2 unusable PATH (a file, an existing sample file, unwritable), one line on
-stderr naming the path; 130 interrupted. A failed or interrupted write removes what this run
-wrote (the files, and folders it made) and nothing else.
+"""``doracheck sample PATH [--fresh]``: write a small sample DoRA adapter and its base model
+(``audit.sample``) into the folder PATH, never overwriting, then print the audit command to run
+next. Exit codes: 0 written, 2 unusable PATH (one line naming it), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -19,7 +12,6 @@ import sys
 def make(path: str, fresh: bool, command: str = "doracheck sample") -> int:
     from doracheck.audit import AuditInputError
     from doracheck.audit.sample import FILES, LAYERS, write_sample
-
     try:
         folder = write_sample(path, fresh=fresh)
     except AuditInputError as exc:
@@ -36,7 +28,6 @@ def make(path: str, fresh: bool, command: str = "doracheck sample") -> int:
 
 def run(args) -> int:
     from doracheck.cli.verify_cmd import guarded
-
     return guarded("sample", lambda a: make(a.path, a.fresh), args)
 
 

@@ -1,11 +1,8 @@
 """``doracheck verify``: run the property suite against an implementation on this machine.
 
-Prints property × dtype → pass/FAIL/n/a, worst error, budget, margin, and each n/a's reason.
-Exit 0 if every property passes (n/a counts as passing: the implementation lacks that piece),
-1 if any fails, 2 for bad usage (an unknown dtype, an --impl that cannot be loaded, an unusable
---report) and when nothing could be checked (n/a everywhere: no false comfort), 130 when
-interrupted. ``--report FILE.html`` also writes a self-contained HTML file (the table and a chart
-of the margins), only over a new file or an earlier doracheck report (checked before the run).
+Prints property × dtype → pass/FAIL/n/a, worst error, budget, margin, and each n/a's reason
+(``--report FILE.html``: a chart of the margins too). Nothing checkable (n/a everywhere) exits 2:
+no false comfort. Exit codes: docs/cli.md.
 """
 
 from __future__ import annotations
@@ -67,7 +64,6 @@ def impl_and_dtypes(args, command: str):
     """(Implementation, dtype names) from --impl and --dtype, or None after printing the usage
     error (exit code 2 for the caller); shared by verify and calibrate."""
     from doracheck.properties.implementations import ImplementationError, resolve
-
     try:
         return resolve(args.impl), parse_dtypes(args.dtype)
     except (UsageError, ImplementationError) as exc:
@@ -77,7 +73,6 @@ def impl_and_dtypes(args, command: str):
 
 def _device() -> str:
     import torch
-
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -103,7 +98,6 @@ def report_problem(path: str) -> str | None:
     """Why ``--report path`` cannot be made (no matplotlib, ``html_report.target_problem``), or
     None; checked before the suite, so a long run does not end in an unwritable report."""
     from doracheck.cli.html_report import matplotlib_or_none, target_problem
-
     plt, why = matplotlib_or_none()
     if plt is None:
         return f"--report: {why}"
@@ -151,7 +145,6 @@ def margin_figure(plt, results):
 def write_report(path: str, results, header: dict, verdict: str, failed: bool) -> None:
     """The HTML report of one run (raises OSError when it cannot be written)."""
     from doracheck.cli.html_report import Report, matplotlib_or_none
-
     plt, _ = matplotlib_or_none()
     report = Report(f"doracheck verify: {header['impl']}")
     report.paragraph(" ".join(f"{k}={v}" for k, v in header.items()))
@@ -180,7 +173,6 @@ def _run(args) -> int:
     from doracheck.cli.progress import Progress
     from doracheck.properties import device_family, run_suite
     from doracheck.properties.suite import suite_steps
-
     profile = "quick" if args.quick else args.profile
     problem = report_problem(args.report) if args.report else None
     if problem:
