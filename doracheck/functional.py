@@ -32,15 +32,14 @@ def factored_norm(
 ) -> torch.Tensor | NormTerms:
     """Row norms ``n_i = ||W_i + s·(B·A)_i||`` in fp32, never forming a d_out × d_in product.
 
-    ``n_i² = ||W_i||² + 2s·⟨W_i, (BA)_i⟩ + s²·||(BA)_i||²``, evaluated as
-    ``base + 2s·Σ_k B_ik·(W·Aᵀ)_ik + s²·Σ_k (B·A·Aᵀ)_ik·B_ik`` with fp32 accumulation.
+    ``n_i² = ||W_i||² + 2s·⟨W_i, (BA)_i⟩ + s²·||(BA)_i||²``, evaluated as ``base + 2s·Σ_k
+    B_ik·(W·Aᵀ)_ik + s²·Σ_k (B·A·Aᵀ)_ik·B_ik`` with fp32 accumulation. The result is detached (no
+    autograd): DoRA treats the norm as a constant.
 
     Args:
         weight: (d_out, d_in), or (d_in, d_out) with ``fan_in_fan_out=True``.
         lora_A: (r, d_in).  lora_B: (d_out, r).  scaling: lora_alpha / r (or / sqrt(r)).
         return_terms: return ``NormTerms(base, cross, lora, norm)`` instead of the norm.
-
-    The result is detached (no autograd); DoRA treats the norm as a constant.
     """
     check_weights(weight, lora_A, lora_B, fan_in_fan_out=fan_in_fan_out)
     s = check_scaling(scaling)
@@ -60,12 +59,10 @@ def compose(
     *,
     base_dropped: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The stable DoRA compose ``y = base + b + (g-1)⊙base_d + g⊙s⊙lora`` (base_d = base
-    without dropout), evaluated in fp32 and rounded once to ``base.dtype``.
-
-    ``base`` = x·Wᵀ and ``lora`` = (x_d·Aᵀ)·Bᵀ are (..., d_out); ``g`` = m / max(n, eps) is
-    (d_out,) and should be fp32: rounding g to bf16 loses the magnitude near g ≈ 1.
-    """
+    """The stable DoRA compose ``y = base + b + (g-1)⊙base_d + g⊙s⊙lora`` (base_d = base without
+    dropout), evaluated in fp32 and rounded once to ``base.dtype``. ``base`` = x·Wᵀ and ``lora`` =
+    (x_d·Aᵀ)·Bᵀ are (..., d_out); ``g`` = m / max(n, eps) is (d_out,) and should be fp32: rounding g
+    to bf16 loses the magnitude near g ≈ 1."""
     for name, t in (("base", base), ("lora", lora), ("g", g)):
         if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name}: expected a floating torch.Tensor, got {getattr(t, 'dtype', type(t).__name__)}")

@@ -15,13 +15,11 @@ from .functional import dora_linear, factored_norm
 class DoRALinear(nn.Module):
     """A frozen linear layer with a DoRA adapter (PEFT semantics, no fan_in_fan_out).
 
-    Parameters: ``weight`` (d_out, d_in, frozen), ``bias`` (d_out, frozen, optional),
-    ``lora_A`` (r, d_in), ``lora_B`` (d_out, r, zero at init), ``magnitude`` (d_out,),
-    initialised to the row norms of W + s·B·A (= ||W_i|| at init) as PEFT does.
-
-    ``merge()`` folds the adapter into the weight, ``W' = g ⊙_rows (W + s·B·A)`` computed
-    in fp32 and cast once, keeping the norm it used so that ``unmerge()`` can invert it.
-    While merged, forward is a plain ``F.linear``.
+    Parameters: ``weight`` (d_out, d_in, frozen), ``bias`` (d_out, frozen, optional), ``lora_A``
+    (r, d_in), ``lora_B`` (d_out, r, zero at init), ``magnitude`` (d_out,), initialised to the row
+    norms of W + s·B·A (= ||W_i|| at init) as PEFT does. ``merge()`` folds the adapter into the
+    weight, ``W' = g ⊙_rows (W + s·B·A)`` in fp32 cast once, keeping the norm it used so that
+    ``unmerge()`` can invert it; while merged, forward is a plain ``F.linear``.
     """
 
     def __init__(

@@ -23,8 +23,8 @@ def temp_beside(path: str) -> tuple[int, str]:
 
 
 def install(tmp: str, path: str) -> None:
-    """``tmp`` (written and closed) becomes ``path``; on any failure ``tmp`` is removed and the
-    error raised, and ``path`` is as it was."""
+    """``tmp`` (written and closed) becomes ``path``; on failure ``tmp`` is removed, the error
+    raised, and ``path`` left as it was."""
     try:
         os.chmod(tmp, new_file_mode())
         os.replace(tmp, path)

@@ -1,11 +1,8 @@
 """doracheck.properties: checks any DoRA implementation against the oracles, with budgets.
 
-The implementation under test is always an argument (``props.Implementation``: a callable
-with ``dora_linear``'s signature, optionally a norm function and a module class);
-``doracheck verify`` and the tests run the same functions (``suite.run_suite``).
-
-The folder ``properties/`` is installed as ``doracheck.properties`` (``package-dir`` in pyproject.toml; the
-layout and the import picture are in docs/design.md section 5).
+The implementation under test is always an argument (``props.Implementation``); ``doracheck verify``
+and the tests run the same functions (``suite.run_suite``). The folder ``properties/`` is installed
+as ``doracheck.properties`` (``package-dir`` in pyproject.toml; docs/design.md section 5).
 """
 
 from .budgets import Budget, all_budgets, budget_for, device_family

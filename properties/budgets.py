@@ -1,39 +1,36 @@
 """Tolerance budgets: how far an implementation may be from the oracle. Data, one row each.
 
-A row is keyed by (op, output, dtype, family) and has named fields only; lookup falls back
-from the exact family to the default row (family "*"). **A budget is a bound, not a fit**
-(docs/design.md section 3): every row is either an a-priori bound, derived from the unit roundoff u of
-the dtype and the number of roundings on the way to the output (written next to it), or a
-baseline ratio against the same-precision eager reference on the same machine, whose floor is
-the case's own representation noise. No row is derived from this implementation's observed
-error (such a row passes whatever the implementation does, bugs included: bf16 rows set to
-twice the observed error pass a 1% error in dx). ``doracheck calibrate`` reports
-how tight each bound is on a machine; it never proposes a row.
+A row is keyed by (op, output, dtype, family), named fields only; lookup falls back from the exact
+family to the default row (family "*"). **A budget is a bound, not a fit** (docs/design.md
+section 3): every row is an a-priori bound from the dtype's unit roundoff u and the number of
+roundings on the way to the output (written next to it), or a baseline ratio against the
+same-precision eager reference on the same machine, floored at the case's representation noise.
+No row comes from this implementation's observed error (such a row passes anything, bugs included:
+bf16 rows at twice the observed error pass a 1% error in dx). ``doracheck calibrate`` reports how
+tight each bound is on a machine; it never proposes a row.
 
-The two checks are complementary. The oracle distance (``forward``/``backward`` rows) bounds
-the error in absolute terms and catches gross bugs in any precision; in 16 bits, where an
-output's rounding alone is u, it cannot resolve a 1% error. The baseline ratio (``ratio_*``
-rows) can: a correct implementation is about as accurate as the naive PEFT-style computation
-in the same dtype on the same inputs (measured: at most 1.6x it, quick and full profiles, CPU),
-so ``err(impl) <= 2·err(naive) + floor`` fails a 1.01x gradient (``tests/properties/test_mutations.py``).
+The oracle distance (``forward``/``backward`` rows) bounds the error absolutely and catches gross
+bugs in any precision, but in 16 bits, where an output's rounding alone is u, cannot resolve a 1%
+error. The baseline ratio (``ratio_*`` rows) can: a correct implementation is about as accurate as
+the naive PEFT-style computation in the same dtype on the same inputs (measured: at most 1.6x it,
+quick and full profiles, CPU), so ``err(impl) <= 2·err(naive) + floor`` fails a 1.01x gradient
+(``tests/properties/test_mutations.py``).
 
-Unit roundoff: u(fp32) = 2⁻²⁴ ≈ 6.0e-8, u(bf16) = 2⁻⁸ ≈ 3.9e-3, u(fp16) = 2⁻¹¹ ≈ 4.9e-4.
-Families: cpu, interpreter (Triton under TRITON_INTERPRET=1), sm80, sm89, sm90, sm100, sm120.
+u(fp32) = 2⁻²⁴ ≈ 6.0e-8, u(bf16) = 2⁻⁸ ≈ 3.9e-3, u(fp16) = 2⁻¹¹ ≈ 4.9e-4. Families: cpu,
+interpreter (Triton under TRITON_INTERPRET=1), sm80, sm89, sm90, sm100, sm120.
 
 Fields:
-  rel_l2       max ||impl - oracle||₂ / ||oracle||₂ over a case; for the forward and backward
-               rows it is multiplied by the case's condition ρ of that output
-               (``reference.output_conditions``: how much cancellation amplifies a rounding)
+  rel_l2       max ||impl - oracle||₂ / ||oracle||₂ over a case; forward and backward rows multiply
+               it by the case's condition ρ of that output (``reference.output_conditions``)
   ulp          max |impl - exact| in ulps of the output dtype (the compose property)
   fp32_terms   K in the compose allowance K·u(fp32)·(|b| + |g|·|z|) added to ``ulp``
   ratio_k      baseline ratio: err(impl) <= ratio_k·err(naive same-precision) + floor
-  floor_repr   the floor in units of the case's representation noise: the relative L2 error
-               of the exact output rounded once to the dtype (what no implementation that
-               returns that dtype can beat)
-  cond_k       K in the conditioning term K·u(fp32)·κ added to rel_l2 / the floor, where
-               κ = max_i (||W_i||² + 2|s·<W_i,(BA)_i>| + s²·||(BA)_i||²) / n_i² measures how
-               much W cancels s·B·A. The factored norm's n² carries about u(fp32)·κ relative
-               error (a dense fp32 norm about u·sqrt(κ)): an a-priori bound, not a fudge.
+  floor_repr   the floor in units of the case's representation noise: the relative L2 error of the
+               exact output rounded once to the dtype (no implementation returning it does better)
+  cond_k       K in the term K·u(fp32)·κ added to rel_l2 / the floor, where κ = max_i (||W_i||² +
+               2|s·<W_i,(BA)_i>| + s²·||(BA)_i||²) / n_i² measures how much W cancels s·B·A. The
+               factored norm's n² carries about u(fp32)·κ relative error (a dense fp32 norm about
+               u·sqrt(κ)): an a-priori bound, not a fudge.
 """
 
 from __future__ import annotations
@@ -71,14 +68,13 @@ class Budget:
 def _default_rows() -> list[Budget]:
     rows: list[Budget] = []
     for dt in DTYPES:
-        # forward, a priori: base and lora GEMM outputs rounded to dt (2 roundings) and the compose
-        # rounds once more, each at most u relative: 4u with one to spare; in fp32 the roundings
-        # are dominated by the K-term accumulations, whose random-walk size sqrt(K)·u stays
-        # below 64u up to K = 4096 (the suite's problems have K <= 257).
+        # forward: base and lora GEMM outputs rounded to dt, then the compose: 3 roundings of at most
+        # u, 4u with one to spare; fp32 is dominated by the K-term accumulations, whose random-walk
+        # size sqrt(K)·u stays below 64u up to K = 4096 (the suite's problems have K <= 257).
         mult = 64.0 if dt == "fp32" else 4.0
         rows.append(Budget("forward", "y", dt, "*", f"a-priori bound: {mult:g}·u({dt})·ρ_y + 16·u(fp32)·κ", rel_l2=mult * u(dt), cond_k=16.0))
-        # backward, a priori: one or two chained GEMMs on operands rounded to dt (dz = g⊙dy,
-        # dz·B, xa): 3-4 roundings of at most u each, 8u; fp32 128u (accumulation, as above).
+        # backward: one or two chained GEMMs on operands rounded to dt (dz = g⊙dy, dz·B, xa): 3-4
+        # roundings of at most u, 8u; fp32 128u (accumulation, as above).
         bmult = 128.0 if dt == "fp32" else 8.0
         for out in ("dx", "dA", "dB", "dm", "db"):
             rows.append(Budget("backward", out, dt, "*", f"a-priori bound: {bmult:g}·u({dt})·ρ_{out} + 16·u(fp32)·κ", rel_l2=bmult * u(dt), cond_k=16.0))
@@ -91,9 +87,9 @@ def _default_rows() -> list[Budget]:
         # compose near g = 1 on exactly representable intermediates: correctly rounded (0.5
         # ulp) plus an fp32-sized term, 8·u(fp32)·(|b| + |g|·|z|), for g and the fp32 sums.
         rows.append(Budget("compose", "y", dt, "*", "design: 0.5 ulp + 8·u(fp32)·(|b| + |g||z|)", ulp=0.5, fp32_terms=8.0))
-        # merge: W' = g ⊙ (W + s·B·A) rounded to W's dtype once, so x·W'ᵀ is off by the
-        # rounding of W' (u relative per element, RMS u/sqrt(3)) plus the forward's own: 8u;
-        # unmerge rounds W'/g - s·B·A once more: 4u of W.
+        # merge: W' = g ⊙ (W + s·B·A) rounded once to W's dtype, so x·W'ᵀ is off by that rounding
+        # (u per element, RMS u/sqrt(3)) plus the forward's own: 8u; unmerge rounds W'/g - s·B·A
+        # once more: 4u of W.
         rows.append(Budget("merge", "y", dt, "*", f"default: 8·u({dt})", rel_l2=8 * u(dt)))
         rows.append(Budget("unmerge", "weight", dt, "*", f"default: 4·u({dt})", rel_l2=4 * u(dt)))
     # norm and its terms: fp32 accumulation whatever the weight dtype (inputs are quantized),
@@ -110,9 +106,8 @@ def _default_rows() -> list[Budget]:
     return rows
 
 
-# Family rows override the default for one family. There are none: every default is a bound
-# that holds on each family measured (cpu, interpreter, sm90), with fp32 reductions in every
-# GEMM doracheck issues on CUDA (docs/design.md section 2).
+# Family rows override the default for one family. None: every default holds on each family measured
+# (cpu, interpreter, sm90), fp32 reductions in every CUDA GEMM doracheck issues (docs/design.md section 2).
 FAMILY_ROWS: list[Budget] = []
 
 _TABLE = {(b.op, b.output, b.dtype, b.family): b for b in _default_rows() + FAMILY_ROWS}

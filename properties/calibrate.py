@@ -1,13 +1,10 @@
 """How tight the budgets are on this device: measured error against each bound.
 
-``calibrate(impl, dtypes, cases, device)`` runs ``cases`` random problems per dtype (kinds
-mixed, cancellation excluded from the oracle distances as in the suite) and records, per
-(op, output, dtype), the implementation's largest error relative to its bound (the oracle
-distance rows and the baseline-ratio rows) and the worst case. A tightness near 1 says the
-bound is close to what this machine does; far below 1 says it is loose (and may be tightened
-from its derivation, never from these numbers). Nothing is proposed and nothing is written:
-a budget is a bound, not a fit (docs/design.md section 3).
-"""
+``calibrate(impl, dtypes, cases, device)`` runs ``cases`` random problems per dtype (kinds mixed,
+cancellation excluded from the oracle distances as in the suite) and records, per (op, output,
+dtype), the largest error relative to its bound (oracle-distance and baseline-ratio rows) and the
+worst case. Near 1: the bound is close to what this machine does; far below 1: it is loose (to be
+tightened from its derivation, never from these numbers). Nothing is proposed or written."""
 
 from __future__ import annotations
 
@@ -67,7 +64,7 @@ def calibrate(impl: props.Implementation, dtypes: list[str], cases: int = 16, de
         dtype = DTYPES[dt]
         for i in range(cases):
             gen = torch.Generator().manual_seed(i)
-            # shapes from tiny (1) to 96, T from 1 to 32: small outputs make rel L2 noisier
+            # shapes from 1 to 96, T from 1 to 32: small outputs make rel L2 noisier
             d_out, d_in, r = (int(v) for v in torch.randint(1, 97, (3,), generator=gen))
             r = max(1, r // 4)
             tokens = int(torch.randint(1, 33, (1,), generator=gen))

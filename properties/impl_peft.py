@@ -1,39 +1,29 @@
-"""PEFT 0.21's own DoRA layer behind ``doracheck.dora_linear``'s signature.
+"""PEFT 0.21's own DoRA layer behind ``doracheck.dora_linear``'s signature, so ``doracheck verify
+--impl peft`` judges PEFT by the same properties and budgets. It runs PEFT's code, not a re-implementation:
 
-``doracheck verify --impl peft`` judges PEFT with the same properties (oracle distance,
-budgets) as doracheck itself. For that, PEFT has to be callable like ``dora_linear``:
-``peft_dora_linear(x, weight, lora_A, lora_B, magnitude, scaling, bias, ...)``. This module
-provides that callable, and it runs PEFT's code, not a re-implementation of it:
+* a ``peft.tuners.lora.layer.Linear`` with ``use_dora=True`` (its adapter goes through
+  ``peft.tuners.lora.variants.DoraLinearVariant`` and ``peft.tuners.lora.dora.DoraLinearLayer``) is
+  built once per (d_in, d_out, r, dtypes, bias or not, device) on the meta device (no memory, no
+  initialisation cost) and kept in a small cache;
+* each call runs it through ``torch.func.functional_call`` with the caller's tensors in place of
+  its parameters (``base_layer.weight``, ``base_layer.bias``, ``lora_A.default.weight``,
+  ``lora_B.default.weight``, ``lora_magnitude_vector.default.weight``), so gradients reach them;
+  ``module.scaling["default"]`` (PEFT's factor on the LoRA branch) is set to ``scaling`` per call;
+* ``fan_in_fan_out=True``: the (d_in, d_out) weight's transpose (a view: the gradient still reaches
+  the caller's tensor) is the nn.Linear weight, instead of a transformers ``Conv1D``; PEFT's own
+  fan_in_fan_out handling only transposes, so this is the same function;
+* dropout (``training and dropout_p > 0``): ``lora_dropout["default"]`` becomes a module computing
+  ``x·keep/(1-p)`` with the given (or a freshly drawn) 0/1 keep-mask, in train mode, because
+  ``DoraLinearVariant.forward`` takes its dropout branch (recomputing ``x_d·Wᵀ``) only when the
+  dropout module is not ``nn.Identity`` and the layer is training; otherwise ``nn.Identity``, eval;
+* PEFT's DoRA cache (``peft.tuners.lora.dora.ENABLE_DORA_CACHING``, off by default; when on it keeps
+  an eval-mode layer's weight norm and B·A between calls) is cleared before and after every call,
+  so a value computed from another call's tensors is never served.
 
-* a ``peft.tuners.lora.layer.Linear`` with ``use_dora=True`` (so its adapter goes through
-  ``peft.tuners.lora.variants.DoraLinearVariant`` and ``peft.tuners.lora.dora.DoraLinearLayer``)
-  is built once per (d_in, d_out, r, dtypes, bias or not, device), on the meta device (no
-  memory, no initialisation cost), and kept in a small cache;
-* each call runs it through ``torch.func.functional_call`` with the caller's tensors in place
-  of the module's parameters, so gradients reach the caller's x, weight, lora_A, lora_B,
-  magnitude and bias. The parameter names substituted are those PEFT gives them:
-  ``base_layer.weight``, ``base_layer.bias``, ``lora_A.default.weight``,
-  ``lora_B.default.weight`` and ``lora_magnitude_vector.default.weight``;
-* ``module.scaling["default"]`` (the factor PEFT multiplies the LoRA branch by) is set to
-  ``scaling`` per call;
-* ``fan_in_fan_out=True``: the weight is stored (d_in, d_out); its transpose (a view, so the
-  gradient still reaches the caller's tensor) is given as the nn.Linear weight instead of
-  building a transformers ``Conv1D``. PEFT's own fan_in_fan_out handling only transposes,
-  so this is the same function;
-* dropout (``training and dropout_p > 0``): ``lora_dropout["default"]`` is replaced by a module
-  computing ``x·keep/(1-p)`` with the given (or a freshly drawn) 0/1 keep-mask, and the module
-  is put in train mode, because ``DoraLinearVariant.forward`` only takes its dropout branch
-  (recomputing ``x_d·Wᵀ``) when the dropout module is not ``nn.Identity`` and the layer is
-  training. Otherwise the dropout is ``nn.Identity`` and the module is in eval mode;
-* PEFT's DoRA cache (``peft.tuners.lora.dora.ENABLE_DORA_CACHING``, off by default; when on
-  it keeps the weight norm and B·A of an eval-mode layer between calls) is cleared before
-  and after every call, so a value computed from another call's tensors is never served.
-
-Nothing of PEFT's numerics is hidden: tensors are passed in the dtypes given (PEFT runs the
-base layer in x's dtype and casts x to lora_A's dtype for the adapter branch), and the result
-is whatever PEFT returns, in the dtype PEFT returns. In particular PEFT divides by the row
-norm without a clamp, so a zero row of W + s·B·A gives NaN for that output feature, where
-doracheck gives 0. PEFT always detaches the norm (DoRA paper section 4.3), so
+Nothing of PEFT's numerics is hidden: tensors go in the dtypes given (PEFT runs the base layer in
+x's dtype and casts x to lora_A's dtype for the adapter branch), and the result is PEFT's, in its
+dtype. PEFT divides by the row norm without a clamp (a zero row of W + s·B·A gives NaN for that
+feature, doracheck 0) and always detaches the norm (DoRA paper section 4.3), so
 ``detach_norm=False`` raises ``Unsupported``; so does a missing peft.
 """
 
@@ -53,10 +43,8 @@ _lock = threading.Lock()
 
 
 class _KeepMaskDropout(nn.Module):
-    """Stands in for PEFT's ``lora_dropout[adapter]``: ``x·keep/(1-p)`` with a fixed 0/1 keep-mask.
-
-    Not an ``nn.Identity``, so PEFT's DoRA takes its dropout branch when the layer is training.
-    """
+    """PEFT's ``lora_dropout[adapter]`` stand-in: ``x·keep/(1-p)`` with a fixed 0/1 keep-mask; not
+    an ``nn.Identity``, so PEFT's DoRA takes its dropout branch when the layer is training."""
 
     def __init__(self, keep: torch.Tensor, p: float):
         super().__init__()
@@ -79,10 +67,8 @@ def _import_peft():
 def _peft_module(
     d_in: int, d_out: int, r: int, base_dtype, adapter_dtype, magnitude_dtype, has_bias: bool, device
 ):
-    """The cached PEFT DoRA Linear for one problem signature, built on the meta device.
-
-    Its parameters are placeholders only: every call substitutes all of them.
-    """
+    """The cached PEFT DoRA Linear for one problem signature, built on the meta device (its
+    parameters are placeholders: every call substitutes all of them)."""
     key = (d_in, d_out, r, base_dtype, adapter_dtype, magnitude_dtype, has_bias, str(device))
     module = _cache.get(key)
     if module is not None:
@@ -133,8 +119,8 @@ def _check_shapes(x, weight, lora_A, lora_B, magnitude, bias, fan_in_fan_out: bo
 
 
 def _dropout_module(x: torch.Tensor, dropout_p: float, dropout_mask: torch.Tensor | None) -> nn.Module:
-    """The stand-in for ``lora_dropout[adapter]`` when dropout is active: the given keep-mask,
-    or one drawn with ``torch.bernoulli`` (keep probability 1 - p) in x's shape."""
+    """``lora_dropout[adapter]``'s stand-in when dropout is active: the given keep-mask, or one
+    drawn with ``torch.bernoulli`` (keep probability 1 - p) in x's shape."""
     if dropout_mask is None:
         keep = torch.bernoulli(torch.full(x.shape, 1.0 - dropout_p, device=x.device))
     else:
@@ -143,8 +129,7 @@ def _dropout_module(x: torch.Tensor, dropout_p: float, dropout_mask: torch.Tenso
 
 
 def _substituted_params(weight, lora_A, lora_B, magnitude, bias, fan_in_fan_out: bool) -> dict[str, torch.Tensor]:
-    """The caller's tensors under the parameter names PEFT's module gives them, for
-    ``torch.func.functional_call`` (the base weight in nn.Linear layout, a view)."""
+    """The caller's tensors under PEFT's parameter names, for ``torch.func.functional_call``."""
     base_weight = weight.t() if fan_in_fan_out else weight  # nn.Linear layout (d_out, d_in), a view
     params = {
         "base_layer.weight": base_weight,
@@ -174,23 +159,13 @@ def peft_dora_linear(
 ) -> torch.Tensor:
     """The DoRA linear layer computed by PEFT 0.21's ``lora.Linear`` with ``use_dora=True``.
 
-    Same signature and semantics as ``doracheck.dora_linear``:
-    ``y = x·Wᵀ + b + (g-1)⊙(x_d·Wᵀ) + g⊙s⊙(x_d·Aᵀ)·Bᵀ``, ``g = m / ||W + s·B·A||`` (row norm,
-    detached), x_d = x·keep/(1-p) when ``training and dropout_p > 0`` and x otherwise.
-    Differentiable in x, weight, lora_A, lora_B, magnitude and bias (the caller's tensors
-    are substituted into PEFT's module with ``torch.func.functional_call``).
+    Same signature and semantics as ``doracheck.dora_linear``: ``y = x·Wᵀ + b + (g-1)⊙(x_d·Wᵀ) +
+    g⊙s⊙(x_d·Aᵀ)·Bᵀ``, ``g = m / ||W + s·B·A||`` (row norm, detached), x_d = x·keep/(1-p) when
+    ``training and dropout_p > 0`` and x otherwise; differentiable in x, weight, lora_A, lora_B,
+    magnitude and bias. No clamp: a zero row of W + s·B·A gives NaN for that feature. The result
+    has PEFT's dtype (the base layer's output's, i.e. x's).
 
-    Unlike doracheck, PEFT does not clamp the norm: a zero row of W + s·B·A gives NaN for
-    that output feature. The result has the dtype PEFT gives it (that of the base layer's
-    output, i.e. of x).
-
-    Args:
-        x: (..., d_in). weight: (d_out, d_in), or (d_in, d_out) with ``fan_in_fan_out=True``.
-        lora_A: (r, d_in). lora_B: (d_out, r). magnitude: (d_out,). bias: (d_out,) or None.
-        scaling: the LoRA scaling s (lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA).
-        dropout_p, training: LoRA dropout, active only when ``training and dropout_p > 0``.
-        dropout_mask: 0/1 keep-mask broadcastable to x for the dropout path; drawn with
-            ``torch.bernoulli`` when omitted.
+    Args: as ``doracheck.dora_linear``'s (a missing ``dropout_mask`` is drawn with ``torch.bernoulli``).
 
     Raises:
         Unsupported: ``detach_norm=False`` (PEFT always detaches the norm), or peft missing.

@@ -7,11 +7,9 @@
   ``Implementation`` (a norm function and a module class with it); ``doracheck:dora_linear`` and
   ``doracheck.properties.impl_peft:peft_dora_linear`` are doracheck and ``peft`` in full.
 
-This is ``doracheck verify``'s glue between the library and the properties. The library
-(``doracheck``, ``doracheck.planner``, ...) is imported inside the functions, when an
-implementation is resolved, never at import time; ``doracheck.properties``' own ``__init__``
-does not import this module.
-"""
+``doracheck verify``'s glue between library and properties: the library (``doracheck``,
+``doracheck.planner``, ...) is imported when an implementation is resolved, never at import time;
+``doracheck.properties``' ``__init__`` does not import this module."""
 
 from __future__ import annotations
 
@@ -57,9 +55,9 @@ SUITE_CHUNK_BYTES = 2048  # T·d_out·itemsize above this is backpropagated in t
 
 @contextlib.contextmanager
 def small_chunks():
-    """doracheck's backward chunks its tokens above 32 MiB of dz: never at the suite's sizes. Here
-    the threshold is ``SUITE_CHUNK_BYTES``, so the suite's larger problems take the chunked
-    backward (a few tokens a chunk, a short last one) and its smaller ones the whole one."""
+    """The backward's token-chunking threshold at ``SUITE_CHUNK_BYTES`` instead of 32 MiB of dz
+    (never reached at the suite's sizes): the larger problems take the chunked backward (a few
+    tokens a chunk, a short last one), the smaller ones the whole one."""
     from doracheck.kernels import settings
 
     saved = settings.BACKWARD_CHUNK_BYTES
@@ -72,7 +70,7 @@ def small_chunks():
 
 def doracheck_variant_implementation(variant: str) -> Implementation:
     """doracheck with the planner's choice replaced by ``variant`` (e.g. "merged+whole"), so the
-    property suite can verify every variant the planner may pick."""
+    suite can verify every variant the planner may pick."""
     from doracheck.planner import parse_variant, use_variant
 
     chosen = parse_variant(variant)

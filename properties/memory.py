@@ -1,18 +1,13 @@
 """Measure the peak tensor memory a function allocates, on any device (CPU included).
 
-CPU torch keeps no allocator statistics, so this counts at the ATen level instead: a
-``TorchDispatchMode`` sees every op, records the storage of each output tensor that did not
-exist before (not an input's storage, not one already tracked), and holds a weak reference
-to that *storage* (``StorageWeakRef``: it expires when the last tensor or view using the
-storage dies, not when one Python tensor object does). After every op the expired storages
-are dropped and the live bytes summed; the peak is the largest such sum.
-
-What it sees: every tensor produced by an ATen op while the mode is active, including
-temporaries that die inside the measured function, and views (which share a storage and are
-counted once). What it does not see: scratch memory inside a single kernel (e.g. a BLAS
-packing buffer), and memory of tensors created before the call (the inputs).
-The live set is sampled after each op's outputs exist, which is when usage peaks.
-"""
+CPU torch keeps no allocator statistics, so this counts at the ATen level: a ``TorchDispatchMode``
+sees every op, records each output's storage that is new (not an input's, not already tracked) and
+holds a weak reference to that *storage* (``StorageWeakRef``: it expires when the last tensor or
+view using it dies, not with one Python tensor object). After every op, once its outputs exist
+(when usage peaks), expired storages are dropped and the live bytes summed; the peak is the
+largest such sum. It sees every tensor an ATen op produces while active, temporaries included,
+views once (they share a storage); not scratch memory inside one kernel (e.g. a BLAS packing
+buffer) nor tensors created before the call (the inputs)."""
 
 from __future__ import annotations
 
@@ -81,7 +76,7 @@ def peak_tensor_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Memo
 
 def peak_extra_bytes(fn: Callable[[], Any], device: str | torch.device = "cpu") -> int:
     """Peak bytes ``fn()`` allocates beyond what existed before: the CUDA caching allocator's
-    statistics on a GPU, the dispatch-level tracker above on the CPU."""
+    statistics on a GPU, the tracker above on the CPU."""
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

@@ -1,24 +1,23 @@
 """What a permutation of the output features may move, on this platform, and no more.
 
-Bitwise equivariance is not a property of BLAS: on an AMD EPYC (AVX2) with torch's CPU
-build, ``x @ W.t()`` in fp32 gives other bits when the rows of W are permuted (docs/design.md
-section 3). So a permutation check may not demand bitwise-permuted outputs.
-``permutation_slack`` allows, per element of y = b + g⊙z (z = x·Wᵀ + s·(x·Aᵀ)·Bᵀ, g = m/n):
+Bitwise equivariance is not a property of BLAS: on an AMD EPYC (AVX2) with torch's CPU build,
+``x @ W.t()`` in fp32 gives other bits when the rows of W are permuted (docs/design.md section 3),
+so a permutation check may not demand bitwise-permuted outputs. ``permutation_slack`` allows, per
+element of y = b + g⊙z (z = x·Wᵀ + s·(x·Aᵀ)·Bᵀ, g = m/n):
 
-- what the platform's own activation GEMMs move under the same permutation, on the same
-  inputs (measured: ``torch.matmul`` in the activation dtype, as ``nn.Linear`` runs them):
+- what the platform's own activation GEMMs move under the same permutation on the same inputs
+  (measured: ``torch.matmul`` in the activation dtype, as ``nn.Linear`` runs them):
   |g|·(|Δbase| + |s|·|Δlora|);
-- what reordering the norm's fp32 reductions may move (a priori, since an implementation may
-  legitimately sum a row in an order that depends on its position, e.g. by tile): two
-  orders of a K-term fp32 sum differ by at most 2·γ_K·Σ|terms|, so with
-  n² = ||W_i||² + 2s·⟨B_i, (W·Aᵀ)_i⟩ + s²·⟨B_i, (B·A·Aᵀ)_i⟩,
+- what reordering the norm's fp32 reductions may move (a priori: an implementation may sum a row
+  in an order that depends on its position, e.g. by tile): two orders of a K-term fp32 sum differ
+  by at most 2·γ_K·Σ|terms|, so with n² = ||W_i||² + 2s·⟨B_i, (W·Aᵀ)_i⟩ + s²·⟨B_i, (B·A·Aᵀ)_i⟩,
       |Δn²| <= 2·(γ_{d_in}·Σ W² + 2|s|·γ_{d_in+r}·Σ|B|·(|W|·|A|ᵀ) + s²·γ_{d_in+2r}·Σ|B|·(|B|·|A|·|A|ᵀ))
       |Δn| <= |Δn²| / (2n) + 2u·n (the combination and the square root),
   |Δg| = |g|·|Δn|/n, contributing |Δg|·|z|.
 
-On a platform whose GEMMs are bitwise equivariant the measured part is 0 and the allowance
-is a few fp32 ulps of g. A wrong axis (column norms used as row norms, say) moves y by
-O(|y|), far above either part.
+On a platform whose GEMMs are bitwise equivariant the measured part is 0 and the allowance is a few
+fp32 ulps of g. A wrong axis (column norms used as row norms, say) moves y by O(|y|), far above
+either part.
 """
 
 from __future__ import annotations
@@ -34,8 +33,8 @@ def _moved(full: torch.Tensor, permuted: torch.Tensor, perm: torch.Tensor) -> to
 
 
 def permutation_slack(x, weight_rows, lora_A, lora_B, magnitude, scaling, perm) -> torch.Tensor:
-    """Per-element |Δy| (float64, y's shape, in the permuted order) allowed when the output
-    features are permuted by ``perm`` (the module docstring derives it)."""
+    """Per-element |Δy| (float64, y's shape, permuted order) allowed when the output features are
+    permuted by ``perm`` (derived in the module docstring)."""
     d_in = x.shape[-1]
     cd = x.dtype
     x2 = x.reshape(-1, d_in)

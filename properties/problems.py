@@ -1,12 +1,10 @@
 """Deterministic DoRA test problems: the inputs every property runs on.
 
-``make_problem`` draws one problem from a seed; ``KINDS`` name the hard cases the design
-asks for. The hypothesis strategies (``strategies.py``) and ``doracheck verify`` both build on
-it, so a failing hypothesis example is reproducible from its arguments alone.
-
-Magnitudes sit near the norm: m_i = n_i·(1 + δ_i) with δ log-uniform over [1e-7, 1e-1] and
-random sign (docs/design.md section 2: trained magnitudes concentrate near g = 1).
-"""
+``make_problem`` draws one problem from a seed; ``KINDS`` name the hard cases the design asks for.
+The hypothesis strategies (``strategies.py``) and ``doracheck verify`` both build on it, so a failing
+hypothesis example is reproducible from its arguments alone. Magnitudes sit near the norm:
+m_i = n_i·(1 + δ_i), |δ| log-uniform over [1e-7, 1e-1] with random sign (docs/design.md section 2:
+trained magnitudes concentrate near g = 1)."""
 
 from __future__ import annotations
 
@@ -75,11 +73,10 @@ def make_problem(
 ) -> Problem:
     """One problem: W ~ N(0, 1/d_in), A ~ N(0, 1/d_in), B ~ N(0, 1/r)·0.5, m = n·(1 + δ).
 
-    kind: "random"; "fresh" (B = 0, so g = 1 + δ around the plain norm); "dynamic_range"
-    (rows of W and B scaled by 2^k, k in [-12, 12]); "cancel" (half the rows of W are
-    -s·(B·A) rounded, so W nearly cancels s·B·A); "zero_rows" (some rows of W and B are 0);
-    "near_limits" (values scaled towards the dtype's range while the output stays finite).
-    """
+    kind: "random"; "fresh" (B = 0, so g = 1 + δ around the plain norm); "dynamic_range" (rows of
+    W and B scaled by 2^k, k in [-12, 12]); "cancel" (half the rows of W are -s·(B·A) rounded, so W
+    nearly cancels s·B·A); "zero_rows" (some rows of W and B are 0); "near_limits" (values scaled
+    towards the dtype's range while the output stays finite)."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
     gen = torch.Generator().manual_seed(seed)
@@ -101,9 +98,9 @@ def make_problem(
         rows = torch.pow(2.0, torch.randint(-span, span + 1, (d_out, 1), generator=gen).to(torch.float64))
         W, B = W * rows, B * rows
     elif kind == "cancel":
-        # Half the rows: W_i = -s·(B·A)_i + ε·(its own random row), ε in [1e-2, 1e-1], so
-        # n_i is 10-100x below ||W_i|| (κ about 1e2 to 1e4): hard, within the factored
-        # norm's reach in fp32 (its error grows like u·κ, see budgets.cond_k).
+        # Half the rows: W_i = -s·(B·A)_i + ε·(its own random row), ε in [1e-2, 1e-1], so n_i is
+        # 10-100x below ||W_i|| (κ about 1e2 to 1e4): hard, but within the factored norm's reach
+        # in fp32 (its error grows like u·κ, see budgets.cond_k).
         half = torch.arange(d_out) % 2 == 0
         A_q = A.to(adapter_dtype).to(torch.float64)
         B_q = B.to(adapter_dtype).to(torch.float64)
@@ -138,8 +135,8 @@ def make_case(d_out, d_in, r, tokens, dtype, *, adapter_dtype=None, seed=0, devi
     return make_problem(d_out, d_in, r, tokens, dtype, adapter_dtype=adapter_dtype, seed=seed, device=device, with_bias=with_bias)
 
 
-# (d_out, d_in, r, T or batch shape). The wide one (d_out = 160) gives the per-feature outputs dm
-# and db enough elements for the baseline ratio (props.RATIO_MIN_ELEMENTS, effective count).
+# (d_out, d_in, r, T or batch shape). d_out = 160 gives the per-feature outputs dm and db enough
+# elements for the baseline ratio (props.RATIO_MIN_ELEMENTS, effective count).
 QUICK_SHAPES = ((7, 13, 3, 5), (16, 33, 8, (2, 9)), (48, 64, 16, 17), (160, 24, 8, 12))
 FULL_SHAPES = QUICK_SHAPES + ((64, 96, 32, (3, 11)), (129, 257, 64, 33))
 

@@ -1,13 +1,8 @@
 """The properties, each a plain function: (implementation, inputs, family) -> [CheckResult].
 
-An implementation is an ``Implementation``: a callable with ``dora_linear``'s signature and,
-optionally, a norm function (``factored_norm``'s signature, ``return_terms=True`` supported)
-and a module class with ``from_linear``/``merge``/``unmerge`` (``DoRALinear``'s API).
-Properties that need a piece the implementation lacks report "n/a"; a mode it does not
-offer (``Unsupported``) is "n/a" with the reason.
-
-This module gathers them under one name (``props.metamorphic``, ...); each lives in the
-module of its kind:
+The implementation is a ``props_common.Implementation``; a property needing a piece it lacks, or a
+mode it does not offer (``Unsupported``), is "n/a" with the reason. This module gathers the
+properties under one name (``props.metamorphic``, ...); each lives in the module of its kind:
 
  1 three_term_identity   norm² = base + 2s·cross + s²·lora against the mpmath oracle, each term too
  2 norm_memory           the norm's peak extra memory within its declared bound, far below dense
@@ -19,11 +14,8 @@ module of its kind:
  8 determinism_edges     bitwise repeatability; T = 0, T = 1, zero rows, NaN/Inf, non-contiguous, 3-D
  9 no_stale_cache        in-place updates of A, B, W, m are seen by the next call
 
-- ``props_common``: ``Implementation`` and the helpers every property uses;
-- ``props_norm``: 1-3 (the factored norm and the compose);
-- ``props_accuracy``: 4 and 6 (oracle distance with its a-priori bound, gradcheck, baseline ratio);
-- ``props_metamorphic``: 5;
-- ``props_edges``: 7-9 (module merge/unmerge, edge cases, cache staleness).
+``props_norm``: 1-3; ``props_accuracy``: 4 and 6; ``props_metamorphic``: 5; ``props_edges``: 7-9;
+``props_common``: ``Implementation`` and the helpers every property uses.
 """
 
 from __future__ import annotations

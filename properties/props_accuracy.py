@@ -1,12 +1,10 @@
 """The accuracy properties: gradients, distance to the fp64 oracle, and the baseline ratio.
 
- 4 gradients             gradcheck in fp64 (both norm modes); forward and backward vs the fp64
-                         oracle within an a-priori bound (``a_priori_bound``: rel_l2 × the
-                         output's condition ρ + the norm's conditioning κ, ``conditioning``)
+ 4 gradients             gradcheck in fp64 (both norm modes); forward and backward vs the fp64 oracle
+                         within ``a_priori_bound`` (rel_l2 × the output's condition ρ + the norm's κ)
  6 baseline_ratio        err(impl) <= k·err(naive same precision) + floor (``baseline_ratio``)
 
-Problems whose zero rows make the implementation return NaN there (PEFT's behaviour) are left
-to ``edge.zero_row`` (``_zero_row_nan``) instead of failing every accuracy row.
+A zero row where the implementation returns NaN (PEFT) is left to ``edge.zero_row`` (``_zero_row_nan``).
 """
 
 from __future__ import annotations
@@ -36,17 +34,15 @@ from .props_common import (
 from .results import CheckResult
 from .unsupported import Unsupported
 
+
 # 4 ---------------------------------------------------------------------------------------
-
-
 def conditioning(p: Problem) -> float:
-    """κ = max_i (||W_i||² + 2|s|·Σ_j |B_ij|·(|W||A|ᵀ)_ij + s²·||(|B||A|)_i||²) / n_i², from
-    fp64: the condition of n² as the factored norm forms it (1 when nothing cancels; rows with
-    n = 0 are skipped: their output is 0 whatever g is). The absolute-value products bound what
-    rounding can do to each factored term: the cross term Σ_j B_ij·(W·Aᵀ)_ij and the lora term
-    Σ_jk B_ij·(A·Aᵀ)_jk·B_ik lose digits both where W cancels s·B·A and where B·A itself
-    cancels (|B||A| >> |B·A|, as when r exceeds d_in), which the plain terms do not show
-    (hypothesis found a 1×1, r = 15 problem whose lora term was 6.8e-4 off in fp32)."""
+    """κ = max_i (||W_i||² + 2|s|·Σ_j |B_ij|·(|W||A|ᵀ)_ij + s²·||(|B||A|)_i||²) / n_i², in fp64: the
+    condition of n² as the factored norm forms it (1 when nothing cancels; rows with n = 0 are
+    skipped: their output is 0 whatever g is). The absolute-value products bound what rounding can
+    do to each factored term: the cross term Σ_j B_ij·(W·Aᵀ)_ij and the lora term Σ_jk B_ij·(A·Aᵀ)_jk·B_ik
+    lose digits where W cancels s·B·A and where B·A itself cancels (|B||A| >> |B·A|, as when
+    r > d_in; a 1×1, r = 15 lora term was 6.8e-4 off in fp32)."""
     W = (p.weight.t() if p.fan_in_fan_out else p.weight).detach().cpu().double()
     A, B = p.lora_A.detach().cpu().double(), p.lora_B.detach().cpu().double()
     s = float(p.scaling)
@@ -60,9 +56,8 @@ def conditioning(p: Problem) -> float:
 
 
 def a_priori_bound(budget, rho: float, kappa: float) -> float:
-    """An oracle-distance row made concrete for one case: rel_l2 (roundings × u) times the
-    output's condition ρ (``reference.output_conditions``: how much cancellation amplifies
-    those roundings), plus the norm's conditioning term."""
+    """An oracle-distance row made concrete for one case: rel_l2 (roundings × u) times the output's
+    condition ρ (``reference.output_conditions``), plus the norm's conditioning term."""
     return _field(budget, "rel_l2") * rho + (budget.cond_k or 0.0) * u("fp32") * kappa
 
 
@@ -70,9 +65,8 @@ GRADCHECK_RTOL = 1e-6
 
 
 def gradcheck_fp64(impl: Implementation, family: str) -> list[CheckResult]:
-    """torch.autograd.gradcheck in fp64 for x, A, B, m, b (detach_norm False) and x, m, b
-    (detach_norm True: the norm is a constant there, so A and B are checked against the
-    oracle's autograd instead, in ``backward_vs_oracle``)."""
+    """torch.autograd.gradcheck in fp64 for x, A, B, m, b (detach_norm False) and x, m, b (True: the
+    norm is a constant, so A and B are checked against the oracle's autograd in ``backward_vs_oracle``)."""
     results = []
     p = make_problem(5, 7, 3, (2, 3), torch.float64, seed=3)
     assert p.bias is not None
@@ -113,9 +107,9 @@ def gradcheck_fp64(impl: Implementation, family: str) -> list[CheckResult]:
 
 def worst_gradient_entry(f: Callable[..., torch.Tensor], leaves: list[torch.Tensor], names: list[str],
                          eps: float = 1e-6) -> tuple[float, str]:
-    """Where a failed gradcheck fails: for each input, the analytic Jacobian (autograd) against
-    central differences of ``f``; (the largest error relative to the largest numerical entry of
-    that input's Jacobian, a line naming the input, the element, both values and that error)."""
+    """Where a failed gradcheck fails: per input, the analytic Jacobian (autograd) against central
+    differences of ``f``; (the largest error relative to that input's largest numerical entry, a
+    line naming the input, the element, both values and that error)."""
     inputs = tuple(t.detach().clone() for t in leaves)
     worst: tuple[float, str] | None = None
     for i, (name, t) in enumerate(zip(names, inputs)):
@@ -218,10 +212,9 @@ def backward_vs_oracle(impl: Implementation, problems: list[Problem], family: st
 
 
 def _zero_row_nan(p: Problem, y: torch.Tensor) -> bool:
-    """True when the problem has a zero row of W + s·B·A and every non-finite value of the
-    implementation's output lies in those rows' features (PEFT's NaN there): the accuracy checks
-    leave that problem to ``edge.zero_row``, which reports it once, instead of every accuracy row
-    showing an infinite error. A non-finite value anywhere else is judged (and fails) as usual."""
+    """True when the problem has a zero row of W + s·B·A and every non-finite output lies in those
+    rows' features (PEFT's NaN there): that problem is left to ``edge.zero_row``, which reports it
+    once, instead of every accuracy row showing an infinite error. Non-finite elsewhere fails as usual."""
     if bool(torch.isfinite(y).all()) or not bool(torch.isfinite(p.x).all()):
         return False
     n = norm_terms_ref(p.weight, p.lora_A, p.lora_B, p.scaling, fan_in_fan_out=p.fan_in_fan_out).norm
@@ -232,15 +225,11 @@ def _zero_row_nan(p: Problem, y: torch.Tensor) -> bool:
 
 
 # 6 ---------------------------------------------------------------------------------------
-
-
-# The baseline ratio compares two relative L2 errors; over fewer elements than this they are a
-# handful of rounding errors each, and the naive one can be near 0 by luck (measured: without
-# this floor, 1x1 and 1x14 problems failed a correct implementation 2 times in 600 hypothesis
-# examples, up to 40x over; a 4x9 dA of the dynamic_range kind, whose norm sits in a few
-# entries, 1.02x over).
-# Counted as the effective number of elements that carry the output's norm, (Σc²)²/Σc⁴; such
-# outputs are judged by the oracle distance alone.
+# Over fewer elements than this (the effective number carrying the output's norm, (Σc²)²/Σc⁴) the
+# baseline ratio's two relative L2 errors are a handful of roundings each, and the naive one can be
+# near 0 by luck (measured without this floor: 1x1 and 1x14 problems failed a correct implementation
+# 2 times in 600 hypothesis examples, up to 40x over; a 4x9 dynamic_range dA, its norm in a few
+# entries, 1.02x over). Such outputs are judged by the oracle distance alone.
 RATIO_MIN_ELEMENTS = 16
 
 
@@ -252,8 +241,7 @@ def effective_count(exact: torch.Tensor) -> float:
 
 
 def _over(res: CheckResult) -> float:
-    """worst / budget: the case with the least margin (NaN stays NaN; a zero budget is inf
-    unless the error is 0 too)."""
+    """worst / budget, to find the least margin (NaN stays NaN; a zero budget: inf unless error 0)."""
     if math.isnan(res.worst) or math.isnan(res.budget):
         return math.nan
     if res.budget > 0:
@@ -262,15 +250,14 @@ def _over(res: CheckResult) -> float:
 
 
 def representation_noise(exact: torch.Tensor, dtype: torch.dtype) -> float:
-    """Relative L2 error of the exact output rounded once to ``dtype``: no implementation that
-    returns ``dtype`` can do better (the baseline ratio's floor)."""
+    """Relative L2 error of ``exact`` rounded once to ``dtype`` (the baseline ratio's floor): no
+    implementation returning ``dtype`` does better."""
     return rel_l2(exact.to(dtype), exact)
 
 
 def baseline_ratio(name: str, impl_out: torch.Tensor, naive_out: torch.Tensor, exact: torch.Tensor, k: float, floor: float) -> CheckResult:
-    """err(impl) <= k·err(naive) + floor, errors in relative L2 against ``exact``.
-
-    The diagnostic names both errors, k, the floor and the worst element of the implementation."""
+    """err(impl) <= k·err(naive) + floor, relative L2 against ``exact``; the diagnostic names both
+    errors, k, the floor and the implementation's worst element."""
     err_impl = rel_l2(impl_out, exact)
     err_naive = rel_l2(naive_out, exact)
     if not math.isfinite(err_naive):  # e.g. PEFT-style NaN on a zero row: no baseline to compare with

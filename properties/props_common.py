@@ -1,13 +1,9 @@
 """What every property shares: the ``Implementation`` under test and the result helpers.
 
-An implementation is an ``Implementation``: a callable with ``dora_linear``'s signature and,
-optionally, a norm function (``factored_norm``'s signature, ``return_terms=True`` supported)
-and a module class with ``from_linear``/``merge``/``unmerge`` (``DoRALinear``'s API).
-Properties that need a piece the implementation lacks report "n/a" (``_na``).
-
-Also here: NaN-aware worst-case tracking (``_worse``, ``_worst_of``), one call of the
-implementation on a ``Problem`` (``_call``), its gradients for x, A, B, m and b (``_grads``),
-and the budget-field lookup (``_field``).
+An ``Implementation`` is a callable with ``dora_linear``'s signature and, optionally, a norm
+function (``factored_norm``'s signature, ``return_terms=True`` supported) and a module class with
+``from_linear``/``merge``/``unmerge`` (``DoRALinear``'s API); a property needing a piece it lacks
+reports "n/a" (``_na``). Also: NaN-aware worst-case tracking, the call and gradient helpers.
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ GRAD_NAMES = ("dx", "dA", "dB", "dm", "db")
 @dataclass
 class Implementation:
     """An implementation under test: ``dora_linear`` and, when it has them, its norm, module class,
-    cache reset and declared norm-memory bound (properties needing a missing piece are n/a)."""
+    cache reset and declared norm-memory bound."""
 
     name: str
     dora_linear: Callable[..., torch.Tensor]
@@ -37,8 +33,8 @@ class Implementation:
     module_cls: type | None = None
     clear_cache: Callable[[], None] | None = None
     norm_memory_bound: Callable[..., int] | None = None  # (d_out, d_in, r, device, lora_B_dtype=) -> bytes it declares
-    # A context every suite item runs in (doracheck's own: small chunk thresholds, so its chunked
-    # backward runs at the suite's problem sizes, beside the whole one).
+    # A context every suite item runs in (doracheck's: small chunk thresholds, so its chunked backward
+    # runs at the suite's sizes beside the whole one).
     setting: Callable[[], contextlib.AbstractContextManager] | None = None
 
 
@@ -97,8 +93,8 @@ def _grads(fn, p: Problem, dy: torch.Tensor, cast, **kw):
 
 
 def mixed(p: Problem) -> bool:
-    """Whether the problem is in the fp32-adapters configuration (autocast style: A, B or m in
-    another dtype than x), as against the whole model cast to the activation dtype."""
+    """Whether the problem has A, B or m in another dtype than x (fp32 adapters, autocast style),
+    as against the whole model cast to the activation dtype."""
     return any(t.dtype != p.x.dtype for t in (p.lora_A, p.lora_B, p.magnitude))
 
 

@@ -1,9 +1,5 @@
-"""The module, edge-case and cache properties.
-
- 7 merge_unmerge         x·W'ᵀ vs the unmerged forward; unmerge restores W
- 8 determinism_edges     bitwise repeatability; T = 0, T = 1, zero rows, NaN/Inf, non-contiguous, 3-D
- 9 no_stale_cache        in-place updates of A, B, W, m are seen by the next call
-"""
+"""The module, edge-case and cache properties: 7 merge_unmerge, 8 determinism_edges, 9 no_stale_cache
+(each stated in ``props``' list)."""
 
 from __future__ import annotations
 
@@ -20,9 +16,8 @@ from .problems import make_problem
 from .props_common import Implementation, _call, _dtype_name, _field, _grads, _na, _result, _worst_of
 from .results import CheckResult
 
+
 # 7 ---------------------------------------------------------------------------------------
-
-
 def merge_unmerge(impl: Implementation, dtype: torch.dtype, family: str, device="cpu") -> list[CheckResult]:
     dt = _dtype_name(dtype)
     if impl.module_cls is None:
@@ -52,8 +47,6 @@ def merge_unmerge(impl: Implementation, dtype: torch.dtype, family: str, device=
 
 
 # 8 ---------------------------------------------------------------------------------------
-
-
 def determinism_edges(impl: Implementation, dtype: torch.dtype, family: str, device="cpu") -> list[CheckResult]:
     dt = _dtype_name(dtype)
     p = make_problem(17, 23, 5, (3, 7), dtype, seed=11, device=device)
@@ -99,15 +92,13 @@ def determinism_edges(impl: Implementation, dtype: torch.dtype, family: str, dev
 
 
 def _zero_row_cause(impl: Implementation, p, y_zero, W, B, forward_budget: float) -> str:
-    """The failure's cause on the zero-row problem (no bias: y is 0 there in the contract)."""
+    """The failure's cause on the zero-row problem (no bias: y is 0 there by contract)."""
     zero = replace(p, weight=W, lora_B=B, bias=None)
     tolerance = 4 * u(_dtype_name(p.x.dtype)) + forward_budget  # the activation dtype's roundings, a naive compose's
     return verdict(explaining(impl, zero, rel_distance({"y": tolerance})))
 
 
 # 9 ---------------------------------------------------------------------------------------
-
-
 def no_stale_cache(impl: Implementation, dtype: torch.dtype, family: str, device="cpu") -> list[CheckResult]:
     """In-place updates (A, B, W, m, each ×1.25 under no_grad) must be seen by the next call."""
     dt = _dtype_name(dtype)

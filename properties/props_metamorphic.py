@@ -1,8 +1,5 @@
-"""The metamorphic properties: relations between outputs that hold exactly in real arithmetic.
-
- 5 metamorphic           row scaling of W and B (y unchanged); output permutation (y permuted,
-                         within 1 ulp plus the platform's own movement); linearity in x
-"""
+"""The metamorphic properties (5): relations between outputs that hold exactly in real arithmetic:
+row scaling of W and B, output permutation, linearity in x (``metamorphic`` states the bounds)."""
 
 from __future__ import annotations
 
@@ -15,8 +12,6 @@ from .platform import permutation_slack
 from .problems import Problem
 from .props_common import Implementation, _call, _dtype_name, _field, _result
 from .results import CheckResult
-
-# 5 ---------------------------------------------------------------------------------------
 
 
 def metamorphic(impl: Implementation, p: Problem, family: str) -> list[CheckResult]:

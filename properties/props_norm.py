@@ -1,10 +1,6 @@
-"""The norm and compose properties: the factored norm's terms and memory, and the compose near g = 1.
-
- 1 three_term_identity   norm² = base + 2s·cross + s²·lora against the mpmath oracle, each term too
- 2 norm_memory           the norm's peak extra memory within its declared bound, far below dense
- 3 compose_near_one      exact intermediates, g = 1 + δ: within 0.5 ulp + an fp32-sized term
-                         (``compose_problem`` builds them, ``compose_error_ulps`` measures)
-"""
+"""The norm and compose properties: 1 three_term_identity, 2 norm_memory, 3 compose_near_one (each
+stated in ``props``' list; ``compose_problem`` builds the compose's exact-intermediate problems,
+``compose_error_ulps`` measures)."""
 
 from __future__ import annotations
 
@@ -35,9 +31,8 @@ from .props_common import (
 )
 from .results import CheckResult
 
+
 # 1 ---------------------------------------------------------------------------------------
-
-
 def three_term_identity(impl: Implementation, problems: list[Problem], family: str) -> list[CheckResult]:
     """The implementation's terms and norm² against the mpmath oracle (fp64 oracle above
     MAX_ELEMENTS), errors relative to the magnitude sum base + 2|s·cross| + s²·lora."""
@@ -69,13 +64,10 @@ def three_term_identity(impl: Implementation, problems: list[Problem], family: s
 
 
 # 2 ---------------------------------------------------------------------------------------
-
-
 def norm_memory(impl: Implementation, dtype: torch.dtype, family: str, device="cpu", bound: Callable | None = None) -> list[CheckResult]:
-    """Peak extra memory of the norm (CUDA allocator statistics, or a tensor-allocation
-    tracker on the CPU) within the implementation's declared bound and below a quarter of a
-    dense fp32 d_out × d_in temporary. Shape 4096 × 8192, r = 16. Not measured under the
-    Triton interpreter, which copies tensors into numpy (n/a there)."""
+    """Peak extra memory of the norm (``memory.peak_extra_bytes``) within the implementation's
+    declared bound and below a quarter of a dense fp32 d_out × d_in temporary; 4096 × 8192, r = 16.
+    n/a under the Triton interpreter, which copies tensors into numpy."""
     from .memory import peak_extra_bytes
 
     dt = _dtype_name(dtype)
@@ -89,9 +81,9 @@ def norm_memory(impl: Implementation, dtype: torch.dtype, family: str, device="c
     A = torch.randn(r, d_in, generator=gen).to(device=device, dtype=dtype)
     B = torch.randn(d_out, r, generator=gen).to(device=device, dtype=dtype)
     norm_fn = impl.factored_norm
-    # One call first: what the first call of a process sets up once (kernel compilation, the
-    # cuBLAS handle and its 32 MiB workspace on Hopper) is process state, not the norm's memory.
-    # Without it the verdict depended on which property a process ran first (pytest -n auto).
+    # One call first: what a process's first call sets up (kernel compilation, the cuBLAS handle and
+    # its 32 MiB workspace on Hopper) is process state, not the norm's memory, and would make the
+    # verdict depend on which property a process runs first (pytest -n auto).
     norm_fn(W, A, B, 2.0)
     peak = peak_extra_bytes(lambda: norm_fn(W, A, B, 2.0), device)
     dense = 4 * d_out * d_in
@@ -100,12 +92,10 @@ def norm_memory(impl: Implementation, dtype: torch.dtype, family: str, device="c
 
 
 # 3 ---------------------------------------------------------------------------------------
-
-
 def compose_problem(dtype: torch.dtype, d_out: int = 64, d_in: int = 32, seed: int = 0, device="cpu") -> Problem:
-    """A problem whose GEMM outputs are exact in any dtype: x rows are one-hot, r = 1, A's
-    entries are powers of two, s = 2; so x·Wᵀ = W[:, j] and s·(x·Aᵀ)·Bᵀ = 2·A_j·B exactly,
-    and only the compose rounds. g = 1 + δ with |δ| log-uniform over [1e-7, 1e-1]."""
+    """A problem whose GEMM outputs are exact in any dtype: one-hot x rows, r = 1, A's entries powers
+    of two, s = 2; so x·Wᵀ = W[:, j] and s·(x·Aᵀ)·Bᵀ = 2·A_j·B exactly and only the compose rounds.
+    g = 1 + δ, |δ| log-uniform over [1e-7, 1e-1]."""
     gen = torch.Generator().manual_seed(seed)
     W = (torch.randn(d_out, d_in, generator=gen) / d_in**0.5).to(dtype)
     B = (torch.randn(d_out, 1, generator=gen) * 0.5).to(dtype)
@@ -160,7 +150,7 @@ def compose_near_one(impl: Implementation, dtype: torch.dtype, family: str, seed
 
         def distance(_name, a, b, p=worst_problem):
             # In units of one ulp, not the budget's half: a deviation evaluated in float64 and rounded
-            # once may differ by one ulp from the same deviation evaluated in fp32 and rounded.
+            # once may differ by one ulp from the same one evaluated in fp32 and rounded.
             if not torch.equal(torch.isfinite(a.cpu()), torch.isfinite(b.cpu())):
                 return float("inf")
             return _worst_of(compose_error_ulps(a, p, fp32_terms, exact=b).flatten().tolist()) / max(ulps, 1.0)

@@ -4,21 +4,17 @@
     pytest --doracheck-impl MODULE:CALLABLE [--doracheck-profile quick|full]
            [--doracheck-dtype bf16,fp16,fp32] [--doracheck-variant NAME] [-n auto] [-k compose]
 
-collects one test item per property group × dtype, ``test_doracheck[compose.near_one-bf16]``,
-from the same suite code ``doracheck verify`` runs (``suite.suite_items``). A failing item's
-message is verify's diagnostics (worst error, budget, margin, the worst case and its
-conditioning); an item whose properties are all n/a is a skip with the reason; an
-implementation that cannot be imported is a collection error. Under pytest-xdist each worker is
-pinned to one GPU (``gpu_workers.gpu_for_worker``) and budgets resolve by the device the worker
-runs on; the suite's problems come from fixed seeds (no hypothesis), so every worker builds the
-same items and a run on one GPU and on two gives the same verdicts.
-
-Aliases for ``--doracheck-impl``: ``doracheck`` (also ``doracheck:dora_linear``), ``torch``,
-``peft`` (also ``doracheck.properties.impl_peft:peft_dora_linear``), ``doracheck@VARIANT``.
+collects one test item per property group × dtype, ``test_doracheck[compose.near_one-bf16]``, from
+the suite code ``doracheck verify`` runs (``suite.suite_items``). A failing item's message is
+verify's diagnostics (worst error, budget, margin, the worst case and its conditioning); an item
+whose properties are all n/a is a skip with the reason; an implementation that cannot be imported
+is a collection error. Under pytest-xdist each worker is pinned to one GPU
+(``gpu_workers.gpu_for_worker``) and budgets resolve by the worker's device; the problems come from
+fixed seeds (no hypothesis), so every worker builds the same items and one GPU or two give the same
+verdicts. ``--doracheck-impl`` takes verify's ``--impl`` specs (``implementations.resolve``).
 
 Items join the session in ``pytest_collection_modifyitems`` (first among its hooks), so ``-k``,
-``-m``, ``--deselect``, ``--lf`` and xdist apply to them; select one by ``-k`` (it has no file to
-name on the command line).
+``-m``, ``--deselect``, ``--lf`` and xdist apply; select one by ``-k`` (it has no file to name).
 """
 
 from __future__ import annotations
@@ -74,8 +70,8 @@ def _device() -> str:
 
 
 class DoracheckSuite(pytest.Collector):
-    """The suite's items for one implementation; resolving the implementation happens here, so
-    an import failure is this collector's collection error."""
+    """The suite's items for one implementation, resolved here: an import failure is this
+    collector's collection error."""
 
     def collect(self):
         from .implementations import ImplementationError, resolve

@@ -1,11 +1,8 @@
 """hypothesis strategies for DoRA problems (built on ``problems.make_problem``).
 
-``problems()`` draws shapes (tiny, odd, non-power-of-two), dtypes, adapter dtypes (fp32
-adapters under 16-bit activations, as PEFT defaults), scalings (alpha/r and rsLoRA's
-alpha/sqrt(r)), the hard kinds (B = 0, large dynamic range, W cancelling s·B·A, zero rows,
-values near the dtype's range), fan_in_fan_out and a seed; magnitudes are m = n·(1 + δ) with
-|δ| log-uniform over [1e-7, 1e-1]. Every example is reproducible from its arguments.
-"""
+``problems()`` draws shapes (tiny, odd, non-power-of-two), dtypes, adapter dtypes (fp32 adapters
+under 16-bit activations, as PEFT defaults), scalings (alpha/r and rsLoRA's alpha/sqrt(r)), the hard
+kinds of ``problems.KINDS``, fan_in_fan_out and a seed. Every example is reproducible from its arguments."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Run every property against one implementation: what ``doracheck verify`` and the tests share.
 
-``run_suite(impl, dtypes, profile, device)`` returns ``CheckResult`` rows, property × dtype.
-Profiles: ``quick`` (one seed per shape; under 2 minutes on a 2-core CPU) and ``full``
-(4 seeds, larger shapes, the hard problem kinds, fan_in_fan_out).
-"""
+``run_suite(impl, dtypes, profile, device)`` returns ``CheckResult`` rows, property × dtype. Profiles:
+``quick`` (one seed per shape; under 2 minutes on a 2-core CPU) and ``full`` (``problems.cases_for``)."""
 
 from __future__ import annotations
 
@@ -30,8 +28,8 @@ def _guard(name: str, dtype: str, fn: Callable[..., list[CheckResult]], *args, *
 
 
 class SuiteItem(NamedTuple):
-    """One property group in one dtype: what ``verify`` reports a progress step for and the pytest
-    plugin collects as one test item. ``run()`` gives its rows (``run_item`` guards it)."""
+    """One property group in one dtype: a progress step of ``verify``, one test item of the pytest
+    plugin. ``run()`` gives its rows (``run_item`` guards it)."""
 
     name: str  # e.g. "compose.near_one", "accuracy" (forward.y and backward.*)
     dtype: str
@@ -40,9 +38,9 @@ class SuiteItem(NamedTuple):
 
 
 def suite_items(impl: props.Implementation, dtypes: list[str], profile: str = "quick", device: str = "cpu") -> list[SuiteItem]:
-    """Every item of the suite, in verify's order. Problems are built when an item first runs
-    (cached per dtype), from fixed seeds: every process builds the same items and inputs. Each
-    item runs in the implementation's ``setting`` when it has one."""
+    """Every item of the suite, in verify's order, each run in the implementation's ``setting`` if
+    any. Problems are built when an item first runs (cached per dtype), from fixed seeds: every
+    process builds the same items and inputs."""
     family = device_family(device)
     items = [SuiteItem("grad.gradcheck", "fp64", "gradcheck (fp64)", lambda: props.gradcheck_fp64(impl, family))]
     for dt in dtypes:

@@ -1,7 +1,5 @@
-"""``Unsupported``: an implementation under test cannot run a case (a mode it lacks).
-
-Properties record such a case as "n/a" with the reason instead of a failure.
-"""
+"""``Unsupported``: an implementation under test cannot run a case (a mode it lacks); properties
+record it as "n/a" with the reason instead of a failure."""
 
 
 class Unsupported(Exception):

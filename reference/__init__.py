@@ -1,10 +1,8 @@
 """doracheck.reference: the oracles (float64 and mpmath), naive baselines and error metrics.
 
-Imports nothing from doracheck, doracheck.kernels or doracheck.properties: an oracle must
-share no code with what it judges.
-
-The folder ``reference/`` is installed as ``doracheck.reference`` (``package-dir`` in pyproject.toml; the
-layout and the import picture are in docs/design.md section 5).
+Imports nothing from doracheck, doracheck.kernels or doracheck.properties: an oracle must share no
+code with what it judges. The folder ``reference/`` is installed as ``doracheck.reference``
+(``package-dir`` in pyproject.toml; docs/design.md section 5).
 """
 
 from .baselines import naive_compose, peft_style_dora

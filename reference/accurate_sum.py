@@ -1,17 +1,14 @@
 """Error-free transformations in float64, vectorised with torch.
 
-These make the fp64 oracle accurate to about one fp64 ulp even where the
-terms of a sum cancel (a row where W nearly cancels s·B·A), which a plain
-float64 sum is not: its error is u·Σ|terms|, not u·|Σ terms|.
+They make the fp64 oracle accurate to about one fp64 ulp even where the terms of a sum cancel (a
+row where W nearly cancels s·B·A), which a plain float64 sum is not: its error is u·Σ|terms|, not
+u·|Σ terms|. Only float64 tensors; no code here is shared with the implementations under test.
 
 - ``two_sum(a, b)``  -> (s, e) with s = fl(a + b) and a + b = s + e exactly (Knuth).
-- ``two_prod(a, b)`` -> (p, e) with p = fl(a·b) and a·b = p + e exactly (Dekker/Veltkamp,
-  valid while |a|, |b| < 2**996, far beyond any weight).
-- ``CompensatedSum`` accumulates terms with ``two_sum`` and sums the rounding errors
-  separately (Ogita-Rump-Oishi Sum2): |result - Σ| <= u·|Σ| + γ²_n·Σ|terms|.
-
-Only float64 tensors; no code here is shared with the implementations under test.
-"""
+- ``two_prod(a, b)`` -> (p, e) with p = fl(a·b) and a·b = p + e exactly (Dekker/Veltkamp, valid
+  while |a|, |b| < 2**996, far beyond any weight).
+- ``CompensatedSum`` accumulates terms with ``two_sum`` and sums the rounding errors separately
+  (Ogita-Rump-Oishi Sum2): |result - Σ| <= u·|Σ| + γ²_n·Σ|terms|."""
 
 from __future__ import annotations
 
@@ -45,11 +42,8 @@ def two_prod(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 class CompensatedSum:
-    """Running Sum2: ``add`` terms (tensors of one shape), then ``value()``.
-
-    The float64 result is the exact sum rounded with error at most about one ulp plus
-    γ²_n·Σ|terms|, i.e. as if summed in twice the working precision.
-    """
+    """Running Sum2: ``add`` terms (tensors of one shape), then ``value()``: the exact sum with error
+    at most about one ulp plus γ²_n·Σ|terms|, as if summed in twice the working precision."""
 
     def __init__(self, like: torch.Tensor):
         self.total = torch.zeros_like(like, dtype=torch.float64)
@@ -76,11 +70,9 @@ class CompensatedSum:
 def accurate_sum_last_dim(hi_terms: torch.Tensor, lo_terms: torch.Tensor | None = None) -> tuple[
     torch.Tensor, torch.Tensor
 ]:
-    """Sum float64 terms along the last dimension with a pairwise tree of ``two_sum``.
-
-    ``lo_terms`` (same shape, optional) are small corrections added to the error sum.
-    Returns (hi, lo) as a double-double. Vectorised: log2(K) levels, no Python loop over K.
-    """
+    """Sum float64 terms along the last dimension with a pairwise tree of ``two_sum`` (log2(K)
+    levels, no Python loop over K); ``lo_terms`` (same shape, optional) are small corrections added
+    to the error sum. Returns (hi, lo) as a double-double."""
     errors = torch.zeros(hi_terms.shape[:-1], dtype=torch.float64, device=hi_terms.device)
     if lo_terms is not None:
         errors = errors + lo_terms.sum(dim=-1)

@@ -1,9 +1,8 @@
 """Naive same-precision baselines: what an eager implementation computes in the input dtype.
 
-They are the other half of the baseline-ratio check (docs/design.md section 3) and the witnesses
-that the stable compose matters: near g ≈ 1 the naive low-precision compose loses the
-magnitude (``g`` rounds to 1 in bf16 when |g - 1| < 2**-9).
-"""
+The other half of the baseline-ratio check (docs/design.md section 3), and witnesses that the stable
+compose matters: near g ≈ 1 the naive low-precision compose loses the magnitude (``g`` rounds to 1
+in bf16 when |g - 1| < 2**-9)."""
 
 from __future__ import annotations
 
@@ -29,11 +28,9 @@ def peft_style_dora(
     fan_in_fan_out: bool = False,
     dropout_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """PEFT 0.21's DoRA forward with every tensor first cast to x.dtype (same signature as
-    ``dora_linear``): the dense ``||W + s·B·A||`` and the compose
-    ``(x·Wᵀ + b) + (g - 1)⊙(x_d·Wᵀ) + g⊙s⊙(x_d·Aᵀ)·Bᵀ``, every step rounded to x.dtype.
-    Differentiable through autograd (norm detached unless ``detach_norm=False``).
-    """
+    """PEFT 0.21's DoRA forward with every tensor first cast to x.dtype (``dora_linear``'s signature):
+    the dense ``||W + s·B·A||`` and ``(x·Wᵀ + b) + (g - 1)⊙(x_d·Wᵀ) + g⊙s⊙(x_d·Aᵀ)·Bᵀ``, every step
+    rounded to x.dtype; differentiable (norm detached unless ``detach_norm=False``)."""
     dt = x.dtype
     W = _rows(weight, fan_in_fan_out).to(dt)
     A, B, m = lora_A.to(dt), lora_B.to(dt), magnitude.to(dt)
@@ -59,10 +56,8 @@ def peft_style_dora(
 def naive_compose(
     base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scaling: float, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``b + g·(base + s·lora)`` with g rounded to base.dtype and every step in that dtype.
-
-    The form docs/design.md section 2 forbids: near g ≈ 1 it cancels and rounds the magnitude away.
-    """
+    """``b + g·(base + s·lora)`` with g rounded to base.dtype and every step in that dtype: the form
+    docs/design.md section 2 forbids (near g ≈ 1 it cancels and rounds the magnitude away)."""
     dt = base.dtype
     out = g.to(dt) * (base + scaling * lora.to(dt))
     return out + bias.to(dt) if bias is not None else out

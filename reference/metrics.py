@@ -1,14 +1,12 @@
 """Error metrics: ulp distances via integer bit views, relative L2, a-priori GEMM bounds.
 
-- ``ulp_distance(a, b)``: how many representable numbers of their (common) dtype lie
-  between a and b, from the bit patterns: NaN-aware (NaN vs NaN is 0, NaN vs a number is
-  ``NAN_DISTANCE``), across zero (+0 and -0 are the same point), Inf is the number after
-  the largest finite value.
-- ``ulp_error(actual, exact)``: |actual - exact| in units of the ulp of ``exact`` in
-  actual's dtype, real valued, so "within 0.5 ulp" is a statement it can check.
+- ``ulp_distance(a, b)``: how many representable numbers of their (common) dtype lie between a and
+  b, from the bit patterns: NaN-aware (NaN vs NaN is 0, NaN vs a number is ``NAN_DISTANCE``),
+  across zero (+0 and -0 are the same point), Inf is the number after the largest finite value.
+- ``ulp_error(actual, exact)``: |actual - exact| in ulps of ``exact`` in actual's dtype, real
+  valued, so "within 0.5 ulp" is a statement it can check.
 - ``rel_l2``; ``gamma(k, u) = k·u / (1 - k·u)`` and ``dot_error_bound`` (Higham 3.1):
-  |fl(x·y) - x·y| <= γ_K·Σ|x_i·y_i| for an fp32-accumulated dot of length K.
-"""
+  |fl(x·y) - x·y| <= γ_K·Σ|x_i·y_i| for an fp32-accumulated dot of length K."""
 
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ NAN_DISTANCE = float("inf")
 
 _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float64: torch.int64}
 
-# Unit roundoff u = 2**-p (p = significand bits incl. the implicit one), and the smallest
-# normal exponent, per dtype.
+# Per dtype: unit roundoff u = 2**-p (p significand bits incl. the implicit one), smallest normal exponent.
 UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 _MANTISSA_BITS = {torch.float64: 52, torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 _MIN_EXPONENT = {torch.float64: -1022, torch.float32: -126, torch.float16: -14, torch.bfloat16: -126}
@@ -56,8 +53,8 @@ def ulp_of(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def ulp_error(actual: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
-    """|actual - exact| / ulp(exact) in actual's dtype (float64). NaN/Inf aware:
-    matching NaN or equal infinities give 0, any other disagreement gives inf."""
+    """|actual - exact| / ulp(exact) in actual's dtype (float64); matching NaN or equal infinities
+    give 0, any other disagreement inf."""
     ref = exact.to(torch.float64)
     act = actual.to(torch.float64)
     err = (act - ref).abs() / ulp_of(ref, actual.dtype)

@@ -6,13 +6,11 @@ Math (docs/design.md section 1), with ``W`` (d_out, d_in), ``A`` (r, d_in), ``B`
     g   = m / max(n, eps)                eps = 1e-12
     y   = x·Wᵀ + b + (g - 1)⊙(x_d·Wᵀ) + g⊙s⊙(x_d·Aᵀ)·Bᵀ      (x_d = x without dropout)
 
-Values are evaluated in float64 with error-free transformations (``accurate_sum``) on
-small problems, so they sit within about one fp64 ulp of the exact result even where
-W nearly cancels s·B·A; on large problems (see ``ACCURATE_LIMIT``) they fall back to plain
-float64, whose error (about K·2⁻⁵³ relative to Σ|terms|) is still far below fp32's ulp.
-Gradients come from plain float64 autograd of the same formula: the accurate value is
-swapped in with ``_with_value`` so that autograd sees the plain graph.
-"""
+Small problems are evaluated in float64 with error-free transformations (``accurate_sum``), within
+about one fp64 ulp of the exact result even where W nearly cancels s·B·A; large ones (above
+``ACCURATE_LIMIT``) in plain float64, whose error (about K·2⁻⁵³ relative to Σ|terms|) is still far
+below fp32's ulp. Gradients come from plain float64 autograd of the same formula: ``_with_value``
+swaps the accurate value in, so autograd sees the plain graph."""
 
 from __future__ import annotations
 
@@ -88,11 +86,9 @@ def norm_terms_ref(
 ) -> NormTermsRef:
     """The three norm terms and the row norm of V = W + s·B·A, in float64.
 
-    ``base_i = ||W_i||²``, ``cross_i = <W_i, (BA)_i>``, ``lora_i = ||(BA)_i||²``,
-    ``norm_i = ||V_i||`` computed from V itself (not from the terms), so the identity
-    ``norm² = base + 2s·cross + s²·lora`` is a check, not a tautology.
-    No gradient: the result is detached.
-    """
+    ``base_i = ||W_i||²``, ``cross_i = <W_i, (BA)_i>``, ``lora_i = ||(BA)_i||²``, ``norm_i = ||V_i||``
+    from V itself (not from the terms), so ``norm² = base + 2s·cross + s²·lora`` is a check, not a
+    tautology. Detached (no gradient)."""
     with torch.no_grad():
         W = _as_rows(weight, fan_in_fan_out)
         A = lora_A.to(torch.float64)
@@ -127,20 +123,14 @@ def magnitude_scale_ref(magnitude: torch.Tensor, norm: torch.Tensor) -> tuple[to
 
 
 def _with_value(differentiable: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value`` in the forward, the gradient of ``differentiable`` in the backward.
-
-    When the two agree within a factor of two the subtraction is exact (Sterbenz), so the
-    result equals ``value`` bit for bit.
-    """
+    """``value`` in the forward, the gradient of ``differentiable`` in the backward; when the two
+    agree within a factor of two the subtraction is exact (Sterbenz): the result is ``value`` bitwise."""
     return differentiable + (value - differentiable).detach()
 
 
 def _accurate_compose(x2: torch.Tensor, V_hi, V_lo, m: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """y = b + g⊙(x·Vᵀ), g = m / max(||V||, eps), no dropout, float64 (T, d_out).
-
-    x·Vᵀ, ||V|| and g are carried as double-doubles, so y is right to about one ulp even
-    when b and g⊙z cancel.
-    """
+    """y = b + g⊙(x·Vᵀ), g = m / max(||V||, eps), no dropout, float64 (T, d_out); x·Vᵀ, ||V|| and g
+    are carried as double-doubles, so y is right to about one ulp even when b and g⊙z cancel."""
     xb = x2[:, None, :]
     z_hi, z_lo = accurate_sum_last_dim(*product_terms(xb, torch.zeros_like(xb), V_hi[None], V_lo[None]))
     n_hi, n_lo = _accurate_norm(V_hi, V_lo)
@@ -174,12 +164,10 @@ def dora_forward_ref(
 ) -> torch.Tensor:
     """The float64 DoRA forward, PEFT semantics; same signature as ``doracheck.dora_linear``.
 
-    Returns float64 (..., d_out). Differentiable in every tensor argument through plain
-    float64 autograd (with ``detach_norm=False`` the gradient also flows through n).
-    Dropout is active when ``training and dropout_p > 0`` and then needs ``dropout_mask``
-    (0/1 keep-mask broadcastable to x): ``x_d = x·mask/(1-p)``, so a test can share its
-    mask with PEFT or with the implementation under test.
-    """
+    Returns float64 (..., d_out), differentiable in every tensor argument through plain float64
+    autograd (through n too with ``detach_norm=False``). Dropout (``training and dropout_p > 0``)
+    needs ``dropout_mask`` (0/1 keep-mask broadcastable to x): ``x_d = x·mask/(1-p)``, so a test can
+    share its mask with PEFT or with the implementation under test."""
     s = float(scaling)
     W = _as_rows(weight, fan_in_fan_out)
     A = lora_A.to(torch.float64)
@@ -197,14 +185,12 @@ def dora_forward_ref(
         x_d = x2 * keep / (1.0 - dropout_p)
     else:
         x_d = x2
-
     terms = norm_terms_ref(weight, lora_A, lora_B, s, fan_in_fan_out=fan_in_fan_out)
     V = W + s * (B @ A)
     n = _with_value(torch.linalg.norm(V, dim=1), terms.norm)
     if detach_norm:
         n = n.detach()
     g = m / torch.clamp_min(n, EPS)
-
     base = x2 @ W.t()
     base_d = base if not dropout_active else x_d @ W.t()
     y = base + (g - 1.0) * base_d + g * s * ((x_d @ A.t()) @ B.t())

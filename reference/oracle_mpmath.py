@@ -1,15 +1,11 @@
 """The mpmath oracle: exact-then-rounded DoRA quantities for small shapes.
 
-Every input is a binary floating-point number, so V = W + s·B·A, its squared row norms
-and the three terms are polynomials in them with finitely many bits. ``working_precision``
-chooses a precision at which these sums of products are exact (product bits plus the
-exponent spread plus the summation length); square roots and the division in g are then
-correctly rounded at that precision, so rounding the result to float64 is correct except
-with probability about 2**-(prec - 53). The precision is set in ``mpmath.workprec`` (a
-context manager) and restored afterwards.
-
-Results come back as float64 tensors (each entry the mpf rounded to nearest).
-"""
+Every input is a binary floating-point number, so V = W + s·B·A, its squared row norms and the three
+terms are polynomials in them with finitely many bits. ``working_precision`` chooses a precision at
+which these sums of products are exact (product bits + exponent spread + summation length); square
+roots and the division in g are then correctly rounded at it, so the result rounded to float64 is
+correct except with probability about 2**-(prec - 53). The precision is set in ``mpmath.workprec``
+and restored afterwards; results are float64 tensors (each entry the mpf rounded to nearest)."""
 
 from __future__ import annotations
 
@@ -38,11 +34,9 @@ def _exponent_span(values: Iterable[float]) -> int:
 
 
 def working_precision(*tensors: torch.Tensor, scalars: tuple[float, ...] = (), degree: int = 6) -> int:
-    """Bits at which degree-``degree`` polynomials in these inputs are evaluated exactly.
-
-    A product of ``degree`` doubles needs 53·degree bits; a sum of such products needs
-    the spread of their exponents (at most degree × the inputs' spread) plus log2(#terms).
-    """
+    """Bits at which degree-``degree`` polynomials in these inputs are evaluated exactly: a product
+    of ``degree`` doubles needs 53·degree bits; a sum of such products the spread of their exponents
+    (at most degree × the inputs' spread) plus log2(#terms)."""
     values: list[float] = list(scalars)
     count = 1
     for t in tensors:
@@ -155,10 +149,8 @@ def mp_dora_forward(
 def mp_compose(
     base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, scaling: float, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The compose b + g⊙(base + s·lora) on given (already rounded) inputs, correctly rounded to float64.
-
-    This is the quantity the 0.5-ulp property of docs/design.md section 2 is stated for.
-    """
+    """The compose b + g⊙(base + s·lora) on given (already rounded) inputs, correctly rounded to
+    float64: the quantity the 0.5-ulp property of docs/design.md section 2 is stated for."""
     flat_base = base.detach().to(torch.float64).reshape(-1, base.shape[-1])
     flat_lora = lora.detach().to(torch.float64).reshape(-1, base.shape[-1])
     _check_size("mp_compose", flat_base.numel())

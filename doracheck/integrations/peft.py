@@ -1,26 +1,24 @@
 """Run PEFT's DoRA Linear layers through doracheck: ``enable(model)`` / ``disable(model)``.
 
-The hook is PEFT's own extension point: each LoRA ``Linear`` keeps a per-adapter
-``lora_variant`` object (a ``DoraLinearVariant`` for DoRA) whose static ``forward`` adds the
-adapter's contribution to the base layer's output. ``enable`` swaps that object, adapter by
-adapter, for a ``DoracheckDoraLinearVariant``, a subclass that overrides only ``forward``;
-init, merge, unmerge, state-dict keys, save/load, several adapters, ``set_adapter`` and
-``disable_adapters`` are PEFT's unchanged. ``disable`` puts the original objects back.
+The hook is PEFT's own extension point: each LoRA ``Linear`` keeps a per-adapter ``lora_variant``
+object (a ``DoraLinearVariant`` for DoRA) whose static ``forward`` adds the adapter's contribution
+to the base layer's output. ``enable`` swaps that object, adapter by adapter, for a
+``DoracheckDoraLinearVariant``, a subclass overriding only ``forward``; init, merge, unmerge,
+state-dict keys, save/load, several adapters, ``set_adapter`` and ``disable_adapters`` are PEFT's
+unchanged. ``disable`` puts the original objects back.
 
 The accelerated forward rewrites PEFT's base output x·Wᵀ + b in place into the DoRA output
-(``doracheck.autograd.DoRAFromBaseFunction``), after the same input checks as ``dora_linear``: the factored norm (cached while W, A, B are
-unchanged, so generation pays for it once), the fused up-projection + stable compose, and a
-backward that computes dx itself, so the base layer's backward GEMM never runs. ``enable`` also
-hooks the model so that forwards without grad mode read each layer's norm from its state, kept
-up to date before the forward by the norm rule (``doracheck.inference_norms``): compiled
-inference and decode then stop recomputing norms.
+(``doracheck.autograd.DoRAFromBaseFunction``), after ``dora_linear``'s input checks: the factored
+norm (cached while W, A, B are unchanged, so generation pays for it once), the fused up-projection
++ stable compose, and a backward that computes dx itself, so the base layer's backward GEMM never
+runs. With ``enable``'s ``norm_buffers``, compiled inference and decode stop recomputing norms.
 
-Stays on PEFT's path (one info log line per ``enable`` call): embedding and conv DoRA,
-quantized or otherwise non-float base layers, a trainable base weight, and, per call, a
-dropout module other than ``nn.Dropout``, a non-contiguous base output, or variant keyword
-arguments (aLoRA offsets). LoRA dropout (``nn.Dropout``) is accelerated with PEFT's
-semantics: x_d·Wᵀ is computed once more, as PEFT does, and the keep-mask is PEFT's own draw. Adapters added after ``enable`` need another ``enable`` call.
-PEFT is an optional dependency: importing this module needs it, the rest of doracheck not.
+Stays on PEFT's path (one info log line per ``enable`` call): embedding and conv DoRA, quantized or
+otherwise non-float base layers, a trainable base weight, and, per call, a dropout module other
+than ``nn.Dropout``, a non-contiguous base output, or variant keyword arguments (aLoRA offsets).
+LoRA dropout (``nn.Dropout``) is accelerated with PEFT's semantics: x_d·Wᵀ is computed once more,
+as PEFT does, and the keep-mask is PEFT's own draw. Adapters added after ``enable`` need another
+``enable`` call. PEFT is an optional dependency: importing this module needs it, the rest not.
 """
 
 from __future__ import annotations
@@ -71,8 +69,8 @@ class DoracheckDoraLinearVariant(DoraLinearVariant):
         if result.shape[-1] != lora_B.shape[0] or result.shape[:-1] != x.shape[:-1]:
             raise ValueError(f"result: expected shape {(*x.shape[:-1], lora_B.shape[0])} (the base layer's output), got "
                              f"{tuple(result.shape)}")
-        # Armed by the model's pre-hook (a forward without grad mode): max(n, eps) from the
-        # module's buffer, so neither eager nor compiled inference recomputes the norm.
+        # Armed by the model's pre-hook (no grad mode): max(n, eps) from the module's buffer, so
+        # neither eager nor compiled inference recomputes the norm.
         n_safe = inference_norms.norm_buffer(module, active_adapter) if x.dtype != torch.float64 else None
         keep = None
         if dropout_active and p > 0:
@@ -84,10 +82,9 @@ class DoracheckDoraLinearVariant(DoraLinearVariant):
 
 def _submodules(module: nn.Module, adapter: str):
     """(base layer, lora_A[adapter], lora_B[adapter], lora_magnitude_vector[adapter],
-    lora_dropout[adapter], the lora_A ModuleDict) of a PEFT LoRA layer, read from the module
-    dicts directly: this runs for every layer call, and PEFT's ``get_base_layer()`` with
-    ``Module.__getattr__`` cost 7 µs of the call's host time on a 2-core AMD EPYC (1 µs this way).
-    Falls back to PEFT's own accessors for any layout it does not recognise."""
+    lora_dropout[adapter], the lora_A ModuleDict) of a PEFT LoRA layer, read from the module dicts
+    directly: this runs every layer call, and PEFT's ``get_base_layer()`` with ``Module.__getattr__``
+    cost 7 µs of host time on a 2-core AMD EPYC (1 µs this way). PEFT's accessors otherwise."""
     mods: dict[str, Any] = module._modules
     try:
         base_layer = mods["base_layer"]
@@ -115,15 +112,14 @@ def _why_not(module: nn.Module, adapter: str) -> str | None:
 
 
 def enable(model: nn.Module, *, norm_buffers: bool = True) -> nn.Module:
-    """Route every PEFT DoRA Linear adapter of ``model`` through doracheck, in place; says at
-    INFO (logger "doracheck") how many adapters it routed and which stay on PEFT's path and
-    why. Returns the model (the fixed API: ``model = enable(model)``); call it as a statement
-    with ``_ =`` in a REPL that would print the returned model.
+    """Route every PEFT DoRA Linear adapter of ``model`` through doracheck, in place; says at INFO
+    (logger "doracheck") how many adapters it routed and which stay on PEFT's path and why. Returns
+    the model (the fixed API: ``model = enable(model)``; ``_ =`` in a REPL that would print it).
 
-    ``norm_buffers`` (default True): hook the model so that forwards without grad mode read
-    each layer's norm from its state, refreshed by the norm rule before the forward (once per
-    ``generate`` call; ``doracheck.inference_norms``), so a compiled ``generate`` stops
-    recomputing norms. False: no hooks; every layer looks its norm up itself."""
+    ``norm_buffers`` (default True): hook the model so that forwards without grad mode read each
+    layer's norm from its state, refreshed by the norm rule before the forward (once per ``generate``
+    call; ``doracheck.inference_norms``), so a compiled ``generate`` stops recomputing norms. False:
+    no hooks; every layer looks its norm up itself."""
     accelerated = 0
     skipped: dict[str, list[str]] = {}
     for name, module in model.named_modules():
@@ -173,8 +169,8 @@ def _entry_points(model: nn.Module) -> list[nn.Module]:
 
 
 def disable(model: nn.Module) -> nn.Module:
-    """Undo ``enable``: PEFT's own DoRA variant classes come back, the norm buffers and hooks
-    go (also through a ``torch.compile`` wrapper); returns the model. Call it before
+    """Undo ``enable``: PEFT's own DoRA variant classes come back, the norm buffers and hooks go
+    (also through a ``torch.compile`` wrapper); returns the model. Call it before
     ``merge_and_unload()``, whose returned base model would otherwise keep the hooks."""
     inference_norms.detach(model)
     for module in getattr(model, "_orig_mod", model).modules():
