@@ -4,6 +4,7 @@ one line on stderr, never a traceback."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from . import audit_cmd, bench_cmd, calibrate_cmd, env_cmd, sample_cmd, verify_cmd
@@ -31,10 +32,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _import_torch_with_sigint_blocked() -> None:
+    """Import torch with SIGINT blocked in this thread, so the threads its import starts inherit
+    the block: a Ctrl-C then always reaches the main thread, even while it waits in a read (a
+    thread that took it would leave that read blocked, and the command would not stop)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        import torch  # noqa: F401
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        import torch  # noqa: F401
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # --help and --version end here, without torch
     try:
+        _import_torch_with_sigint_blocked()
         return int(args.run(args))
     except KeyboardInterrupt:  # the long commands report their own; this covers the rest (env, imports)
         return verify_cmd.interrupted(args.command)
