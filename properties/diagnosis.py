@@ -33,6 +33,8 @@ def rel_distance(tolerances: dict[str, float]) -> Distance:
 
     def distance(name: str, a: torch.Tensor, b: torch.Tensor) -> float:
         a, b = a.detach().double().cpu(), b.detach().double().cpu()
+        if a.shape != b.shape:
+            return math.inf
         finite_a, finite_b = torch.isfinite(a), torch.isfinite(b)
         if not torch.equal(finite_a, finite_b):
             return math.inf

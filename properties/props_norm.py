@@ -151,7 +151,7 @@ def compose_near_one(impl: Implementation, dtype: torch.dtype, family: str, seed
         def distance(_name, a, b, p=worst_problem):
             # In units of one ulp, not the budget's half: a deviation evaluated in float64 and rounded
             # once may differ by one ulp from the same one evaluated in fp32 and rounded.
-            if not torch.equal(torch.isfinite(a.cpu()), torch.isfinite(b.cpu())):
+            if a.shape != b.shape or not torch.equal(torch.isfinite(a.cpu()), torch.isfinite(b.cpu())):
                 return float("inf")
             return _worst_of(compose_error_ulps(a, p, fp32_terms, exact=b).flatten().tolist()) / max(ulps, 1.0)
 
