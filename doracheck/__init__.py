@@ -42,6 +42,7 @@ def __getattr__(name: str) -> Any:
     if module is None:  # a subpackage or module used as an attribute (``doracheck.kernels``), as before
         if name.startswith("_"):
             raise AttributeError(f"module 'doracheck' has no attribute {name!r}")
+        importlib.import_module(".functional", __name__)  # the layer's import graph, as an eager import made it
         try:
             return importlib.import_module(f".{name}", __name__)
         except ModuleNotFoundError as exc:

@@ -107,3 +107,38 @@ def test_the_legend_comes_after_the_findings_and_is_off_under_ci_or_quiet(traine
     assert shown.count("legend:") == 1 and shown.index("findings:") < shown.index("legend:")
     assert "legend:" not in run_clean(args, folder).stdout  # run_cli sets CI=1, as CI runners do
     assert "legend:" not in run_clean([*args, "--quiet"], folder, env={"CI": ""}).stdout
+
+
+def one_module_adapter(folder, W, delta: float, seed: int = 0):
+    """A one-module DoRA adapter over ``W`` whose magnitudes moved by a relative ``delta`` (normal)
+    from PEFT's init, saved with its config and base; returns the audit of it against that base."""
+    import json
+
+    import doracheck
+
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    d_out, d_in = W.shape
+    A = torch.randn(8, d_in, generator=gen) * 0.01
+    B = torch.randn(d_out, 8, generator=gen) * 0.001
+    m = doracheck.factored_norm(W, A, B, 2.0) * (1 + delta * torch.randn(d_out, generator=gen))
+    prefix = "base_model.model.layer.proj"
+    save_file({f"{prefix}.lora_A.weight": A, f"{prefix}.lora_B.weight": B, f"{prefix}.lora_magnitude_vector": m},
+              str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "use_dora": True, "peft_type": "LORA",
+                                                            "target_modules": ["proj"]}))
+    save_file({"layer.proj.weight": W}, str(folder / "base.safetensors"))
+    return audit_path(folder, base=folder / "base.safetensors", device="cpu").modules[0]
+
+
+@pytest.mark.parametrize("case", ["wide_random", "orthonormal_rows", "identity_rows"])
+def test_the_right_base_whose_rows_cannot_tell_bases_apart_is_inconclusive_never_a_mismatch(tmp_path, case):
+    """Row norms spread less than training moved the magnitudes (a wide random layer, an orthogonal
+    init, equal rows): the right base cannot be told from another, so no error is raised."""
+    gen = torch.Generator().manual_seed(1)
+    W = {"wide_random": lambda: torch.randn(256, 8192, generator=gen) * 0.02,
+         "orthonormal_rows": lambda: torch.linalg.qr(torch.randn(1024, 256, generator=gen))[0].T.contiguous(),
+         "identity_rows": lambda: torch.eye(16, 64)}[case]()
+    module = one_module_adapter(tmp_path, W, delta=0.1)
+    ids = {c.id for c in module.checks}
+    assert "base.mismatch" not in ids and "base.inconclusive" in ids, ids

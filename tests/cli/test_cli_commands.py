@@ -76,6 +76,18 @@ def test_help_and_version_start_without_importing_torch(args, tmp_path):
     assert done.stderr.strip().splitlines()[-1] == "exit 0 False", done.stderr[-2000:]
 
 
+def test_after_import_doracheck_its_modules_resolve_as_attributes(tmp_path):
+    """The public names load on first use, yet ``import doracheck`` still reaches the layer's modules
+    as attributes (``doracheck.kernels.backends``, ``doracheck.norm_rule``), as an eager import did."""
+    import subprocess
+    import sys
+
+    code = ("import doracheck\nprint(doracheck.kernels.backends.TORCH.name, doracheck.kernels.tracing.tracing(), "
+            "doracheck.norm_rule.era() >= 0, doracheck.dora_linear.__name__)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["torch", "False", "True", "dora_linear"], done.stderr[-2000:]
+
+
 # help --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("command", ["env", "verify", "calibrate", "bench"])
