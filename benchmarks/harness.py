@@ -88,6 +88,22 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def peak_bytes(fn: Callable[[], object], device: str) -> float:
+    """Peak memory allocated during one call of ``fn`` above what was allocated before it (bytes;
+    NaN off CUDA, where the caching allocator's statistics do not exist)."""
+    import torch
+
+    if not device.startswith("cuda"):
+        fn()
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return float(torch.cuda.max_memory_allocated() - before)
+
+
 def time_call(fn: Callable[[], object], device: str = "cuda", host: list[float] | None = None) -> float:
     """Milliseconds of one call of ``fn``: CUDA events around it, synchronised after (GPU), or
     the host clock (CPU). ``host``: append the host's time to issue the call (until ``fn``

@@ -17,6 +17,7 @@ import argparse
 import time
 from collections.abc import Callable
 
+import harness
 import torch
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -171,14 +172,7 @@ class Decoder:
 
 def peak_gib(fn: Callable[[], None], device: str) -> float:
     """Peak memory allocated during one call of ``fn`` above what was allocated before it (GiB)."""
-    if not device.startswith("cuda"):
-        return float("nan")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / 2**30
+    return harness.peak_bytes(fn, device) / 2**30
 
 
 def count_routed(model) -> int:

@@ -24,17 +24,9 @@ FIELDS = ["tokens", "mode", "chunk_mib", "linear_mib", "bound_mib", "within"]
 
 
 def peak_mib(fn, device: str) -> float:
-    for _ in range(3):
+    for _ in range(3):  # warm-up: caches, the allocator's pools
         fn()
-    if not device.startswith("cuda"):
-        fn()
-        return float("nan")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / 2**20
+    return harness.peak_bytes(fn, device) / 2**20
 
 
 def main(argv=None) -> int:
