@@ -35,7 +35,7 @@ def compose_torch(
     if bias is not None:
         y = y + bias.to(f32)
     if out is None:
-        return y.to(base.dtype)
+        return _as(y, base.dtype)
     out.copy_(y)
     return out
 
@@ -76,7 +76,13 @@ def lora_up_compose_torch(
     y = g * z  # the stable form: one product, exactly invariant to row scaling
     if bias is not None:
         y = y + bias.to(acc)
-    return y.to(base.dtype), z.to(base.dtype)
+    # no .to() when the dtype is already right: under torch.compile on torch 2.11 a Function whose
+    # output was such an alias of an intermediate got all-zero gradients
+    return _as(y, base.dtype), _as(z, base.dtype)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def lora_up_compose_dropout_torch(
@@ -91,7 +97,7 @@ def lora_up_compose_dropout_torch(
     y = base.to(acc) + (g - 1.0) * base_d + (g * scaling) * lora
     if bias is not None:
         y = y + bias.to(acc)
-    return y.to(base.dtype), (base_d + scaling * lora).to(base.dtype)
+    return _as(y, base.dtype), _as(base_d + scaling * lora, base.dtype)
 
 
 def grad_scale_dm_torch(
