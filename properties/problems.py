@@ -32,6 +32,7 @@ class Problem:
     fan_in_fan_out: bool
     label: str
     kind: str = "random"
+    recipe: str = ""  # the make_problem call that rebuilds it (what a reproducer prints)
 
     @property
     def weight_rows(self) -> torch.Tensor:
@@ -126,7 +127,9 @@ def make_problem(
     b = randn(d_out, scale=0.1).to(dtype) if with_bias else None
     stored = W_q.t().contiguous() if fan_in_fan_out else W_q
     label = f"{kind} {d_out}x{d_in} r{r} T{lead} {str(dtype)[6:]}/{str(adapter_dtype)[6:]}{' fifo' if fan_in_fan_out else ''} seed{seed}"
-    problem = Problem(x.to(dtype), stored, A_q, B_q, m, scaling, b, fan_in_fan_out, label, kind)
+    recipe = (f"make_problem({d_out}, {d_in}, {r}, {tokens!r}, {dtype}, adapter_dtype={adapter_dtype}, seed={seed}, "
+              f"kind={kind!r}, scaling={scaling!r}, with_bias={with_bias}, fan_in_fan_out={fan_in_fan_out})")
+    problem = Problem(x.to(dtype), stored, A_q, B_q, m, scaling, b, fan_in_fan_out, label, kind, recipe)
     return problem.to(device) if torch.device(device).type != "cpu" else problem
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -142,6 +143,7 @@ def worst_gradient_entry(f: Callable[..., torch.Tensor], leaves: list[torch.Tens
 
 
 DROPOUT_P = 0.1
+MASK_SEED = 77  # the dropout case's keep-mask: torch.rand(x.shape, seed MASK_SEED) > DROPOUT_P
 
 
 def backward_vs_oracle(impl: Implementation, problems: list[Problem], family: str) -> list[CheckResult]:
@@ -157,14 +159,14 @@ def backward_vs_oracle(impl: Implementation, problems: list[Problem], family: st
     if not problems:
         return []
     dt = _dtype_name(problems[0].x.dtype)
-    worst: dict[str, tuple[float, float, str]] = {}  # prop -> (error, its budget, label); worst = least margin
+    worst: dict[str, tuple[float, float, str, dict]] = {}  # prop -> (error, budget, label, case); worst = least margin
     left_to_edge: list[str] = []
     raised: list[str] = []
     rejected: list[str] = []  # cases of a configuration the implementation refuses (n/a, with the reason)
     first_error: Exception | None = None
     runs = [(p, {}, f"{p.label} ({configuration(p)})") for p in problems]
     first = problems[0]  # LoRA dropout in training, with a supplied keep-mask (PEFT's semantics)
-    keep = torch.rand(first.x.shape, generator=torch.Generator().manual_seed(77)) > DROPOUT_P
+    keep = torch.rand(first.x.shape, generator=torch.Generator().manual_seed(MASK_SEED)) > DROPOUT_P
     runs.append((first, {"training": True, "dropout_p": DROPOUT_P, "dropout_mask": keep.to(first.x.device)},
                  f"{first.label}, dropout p = {DROPOUT_P}"))
     for i, (p, kw, label) in enumerate(runs):
@@ -197,13 +199,14 @@ def backward_vs_oracle(impl: Implementation, problems: list[Problem], family: st
         for prop, err in errors.items():
             bud = buds[prop]
             if prop not in worst or _worse(err / bud, worst[prop][0] / worst[prop][1]):
-                worst[prop] = (err, bud, f"{label} (κ {kappa:.3g}){cause if not err <= bud else ''}")
+                case = {"recipe": p.recipe, "dy_seed": 1000 + i, "dropout_p": kw.get("dropout_p", 0.0)}
+                worst[prop] = (err, bud, f"{label} (κ {kappa:.3g}){cause if not err <= bud else ''}", case)
     note = f"; {len(left_to_edge)} problem(s) with zero rows, NaN there: judged by edge.zero_row" if left_to_edge else ""
     if first_error is not None and len(raised) + len(rejected) == len(runs):
         raise first_error  # it never ran: its own traceback says more than a row
     if rejected and len(rejected) == len(runs):
         raise Unsupported(f"every configuration was refused: {rejected[0]}")
-    rows = [_result(prop, dt, err, bud, len(runs) - len(left_to_edge), f"worst: {label}{note}") for prop, (err, bud, label) in worst.items()]
+    rows = [replace(_result(prop, dt, err, bud, len(runs) - len(left_to_edge), f"worst: {label}{note}"), case=case) for prop, (err, bud, label, case) in worst.items()]
     if raised:
         rows.append(CheckResult("accuracy.raised", dt, False, math.inf, 0.0, len(raised), f"raised on {len(raised)} case(s): {raised[0]}"))
     if rejected:

@@ -16,6 +16,8 @@ class CheckResult:
     cases: int
     detail: str = ""
     status: str = ""  # "pass" | "FAIL" | "n/a" (derived from ``passed`` unless given)
+    item: str = ""  # the suite item that gave it (``suite.run_item``): what ``--repro`` re-runs
+    case: dict | None = None  # an accuracy row's worst case (recipe, dy seed, dropout): ``repro`` rebuilds it
 
     def __post_init__(self):
         if not self.status:
@@ -28,5 +30,6 @@ class CheckResult:
 
     def as_dict(self) -> dict:
         d = asdict(self)
+        del d["item"], d["case"]  # bookkeeping for the reproducers, not part of --json's rows
         d["margin"] = None if math.isinf(self.margin) else self.margin
         return d

@@ -87,7 +87,10 @@ def _dtype_items(impl: props.Implementation, dt: str, profile: str, device: str,
 
 def run_item(item: SuiteItem) -> list[CheckResult]:
     """The item's rows; a mode the implementation lacks is n/a, an exception a failure."""
-    return _guard(item.name, item.dtype, item.run)
+    rows = _guard(item.name, item.dtype, item.run)
+    for row in rows:
+        row.item = item.name  # a reproducer (``repro``) re-runs the item by this name
+    return rows
 
 
 def suite_steps(dtypes: list[str]) -> int:

@@ -1,8 +1,9 @@
-"""``doracheck verify``: run the property suite against an implementation on this machine.
+"""``doracheck verify``: run the property suite against one implementation or several on this machine.
 
-Prints property × dtype → pass/FAIL/n/a, worst error, budget, margin, and each n/a's reason
-(``--report FILE.html``: a chart of the margins too). Nothing checkable (n/a everywhere) exits 2:
-no false comfort. Exit codes: docs/cli.md.
+Prints property × dtype → pass/FAIL/n/a, worst error, budget, margin, and each n/a's reason; with
+several ``--impl``, a property × implementation matrix. ``--report FILE.html|FILE.md``: the same as
+a document (with a chart of the margins in HTML), ``--repro``: a reproducer per failure. Nothing
+checkable (n/a everywhere) exits 2: no false comfort. Exit codes: docs/cli.md.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 import os
 import sys
 import time
+from typing import NamedTuple
 
 PROFILES = ("quick", "full")
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
@@ -60,12 +62,12 @@ def parse_dtypes(text: str) -> list[str]:
     return names
 
 
-def impl_and_dtypes(args, command: str):
-    """(Implementation, dtype names) from --impl and --dtype, or None after printing the usage
-    error (exit code 2 for the caller); shared by verify and calibrate."""
+def impl_and_dtypes(args, command: str, spec: str | None = None):
+    """(Implementation, dtype names) from ``spec`` (default --impl) and --dtype, or None after
+    printing the usage error (exit code 2 for the caller); shared by verify and calibrate."""
     from doracheck.properties.implementations import ImplementationError, resolve
     try:
-        return resolve(args.impl), parse_dtypes(args.dtype)
+        return resolve(spec or args.impl), parse_dtypes(args.dtype)
     except (UsageError, ImplementationError) as exc:
         print(f"doracheck {command}: {exc}", file=sys.stderr)
         return None
@@ -86,22 +88,49 @@ def _cells(r) -> tuple[str, str, str, str, str, str]:
 TABLE_HEADER = ("property", "dtype", "result", "worst", "budget", "margin")
 
 
-def format_table(results) -> str:
-    rows = [_cells(r) for r in results]
-    widths = [max(len(str(row[i])) for row in [TABLE_HEADER, *rows]) for i in range(len(TABLE_HEADER))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(TABLE_HEADER, widths)).rstrip(), "  ".join("-" * w for w in widths)]
+def format_table(results, header=TABLE_HEADER, rows=None) -> str:
+    """Aligned text columns: ``results`` as ``_cells`` rows, or ``rows`` under ``header``."""
+    rows = rows if rows is not None else [_cells(r) for r in results]
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths)).rstrip(), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     return "\n".join(lines)
 
 
+class Run(NamedTuple):
+    """One implementation's outcome in a verify run."""
+
+    spec: str  # as given to --impl (what a reproducer resolves)
+    name: str
+    results: list
+    failed: list
+    repros: dict[int, str]  # id(failed row) -> its reproducer (``properties.repro``)
+    nothing: str | None  # why nothing could be checked, or None
+    verdict: str
+    seconds: float
+
+
+def matrix(runs: list[Run], causes: bool = False) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of the property × implementation matrix: a row per "property [dtype]", a cell per
+    implementation ("pass 12.0x", "FAIL 0.3x", "pass exact", "n/a"; "-": not run), ``causes``: a FAIL's diagnosis too."""
+    def cell(r) -> str:
+        if r is None or r.status == "n/a":
+            return "-" if r is None else "n/a"
+        margin = "exact" if r.margin == math.inf else _cells(r)[5] if not 0 < r.margin < 0.05 else f"{r.margin:.0e}x"  # far over: its order, not 0.0x
+        cause = r.detail.rpartition(" — ")[2].split(" (")[0] if causes and r.status == "FAIL" and " — " in r.detail else ""
+        return f"{r.status} {margin}{' — ' + cause if cause else ''}"
+
+    keys = list(dict.fromkeys((r.prop, r.dtype) for run in runs for r in run.results))
+    by_run = [{(r.prop, r.dtype): r for r in run.results} for run in runs]
+    return ["property", *(run.spec for run in runs)], [[f"{p} [{d}]", *(cell(rows.get((p, d))) for rows in by_run)] for p, d in keys]
+
+
 def report_problem(path: str) -> str | None:
-    """Why ``--report path`` cannot be made (no matplotlib, ``html_report.target_problem``), or
-    None; checked before the suite, so a long run does not end in an unwritable report."""
-    from doracheck.cli.html_report import matplotlib_or_none, target_problem
-    plt, why = matplotlib_or_none()
-    if plt is None:
-        return f"--report: {why}"
-    problem = target_problem(path)
+    """Why ``--report path`` cannot be made (an HTML report without matplotlib, ``html_report.target_problem``),
+    or None; checked before the suite, so a long run does not end in an unwritable report."""
+    from doracheck.cli.html_report import REPORT_SUFFIXES, matplotlib_or_none, target_problem
+    why = None if path.lower().endswith(".md") else matplotlib_or_none()[1]
+    problem = why or target_problem(path, REPORT_SUFFIXES)
     return f"--report: {problem}" if problem else None
 
 
@@ -142,19 +171,49 @@ def margin_figure(plt, results):
     return fig
 
 
-def write_report(path: str, results, header: dict, verdict: str, failed: bool) -> None:
-    """The HTML report of one run (raises OSError when it cannot be written)."""
-    from doracheck.cli.html_report import Report, matplotlib_or_none
-    plt, _ = matplotlib_or_none()
-    report = Report(f"doracheck verify: {header['impl']}")
-    report.paragraph(" ".join(f"{k}={v}" for k, v in header.items()))
-    report.paragraph(verdict, "fail" if failed else "ok")
-    if any(r.status != "n/a" for r in results):
-        report.heading("Margins")
-        report.figure(margin_figure(plt, results), "log10(budget / worst) per property and dtype; red: failed")
-    report.heading("Results")
-    classes = ["fail" if r.status == "FAIL" else ("warn" if r.status == "n/a" else "ok") for r in results]
-    report.table((*TABLE_HEADER, "detail"), [(*_cells(r), r.detail) for r in results], classes)
+def facts(header: dict, dtypes: list[str]) -> list[str]:
+    """What a report states beside the verdicts: configurations, versions, device, profile, date."""
+    from importlib.metadata import distributions
+
+    from doracheck import __version__
+    from doracheck.properties.calibrate import device_name
+    installed = {d.metadata["Name"].lower(): d.version for d in distributions()}
+    found = {"doracheck": __version__, **{k: installed.get(k) for k in ("torch", "triton", "peft")}, "python": sys.version.split()[0]}
+    return [f"date {time.strftime('%Y-%m-%d')}; profile {header['profile']}; dtypes {', '.join(dtypes)}; device {header['device']} "
+            f"({device_name(header['device'])}), budget family {header['family']}",
+            "versions: " + ", ".join(f"{k} {v}" for k, v in found.items() if v),
+            "configurations: A, B and m in the activation dtype (the whole model cast) and, under bf16 and fp16, in fp32 (autocast "
+            "style); a configuration an implementation refuses is n/a (*.mixed_dtypes, with the reason), the other is judged"]
+
+
+def write_report(path: str, runs: list[Run], header: dict, facts: list[str]) -> None:
+    """The report of a run, HTML or (for a .md path) Markdown: facts, verdicts, the matrix (several
+    implementations), each one's margins (HTML) and table, and each failure with its cause and
+    reproducer. Raises OSError when it cannot be written."""
+    from doracheck.cli.html_report import MarkdownReport, Report, matplotlib_or_none
+    markdown = path.lower().endswith(".md")
+    plt = None if markdown else matplotlib_or_none()[0]
+    report = (MarkdownReport if markdown else Report)(f"doracheck verify: {' vs '.join(run.spec for run in runs)}")
+    for line in [" ".join(f"{k}={v}" for k, v in header.items()), *facts]:
+        report.paragraph(line)
+    several = len(runs) > 1
+    for run in runs:
+        report.paragraph(f"{run.spec}: {run.verdict}" if several else run.verdict, "fail" if run.failed or run.nothing else "ok")
+    if several:
+        report.heading("Property × implementation")
+        report.table(*matrix(runs, causes=True))
+    for run in runs:
+        of = f" of {run.spec}" if several else ""
+        if plt is not None and any(r.status != "n/a" for r in run.results):
+            report.heading(f"Margins{of}")
+            report.figure(margin_figure(plt, run.results), "log10(budget / worst) per property and dtype; red: failed")
+        report.heading(f"Results{of}")
+        classes = ["fail" if r.status == "FAIL" else ("warn" if r.status == "n/a" else "ok") for r in run.results]
+        report.table((*TABLE_HEADER, "detail"), [(*_cells(r), r.detail) for r in run.results], classes)
+        for r in run.failed:
+            report.heading(f"FAIL {r.prop} [{r.dtype}]{of}: {r.worst:.3e} > {r.budget:.3e}", 3)
+            report.paragraph(r.detail, "fail")  # the diagnosed cause comes after " — "
+            report.pre(run.repros[id(r)])
     report.paragraph(" ".join(LEGEND.replace("listed above", "in the detail column").split()), "legend")
     report.write(path)
 
@@ -169,64 +228,76 @@ def _verdict(results, failed, seconds: float) -> str:
     return f"{verdict} ({len(results)} checks, {na} n/a, {seconds:.1f} s)"
 
 
-def _run(args) -> int:
-    from doracheck.cli.progress import Progress
-    from doracheck.properties import device_family, run_suite
-    from doracheck.properties.suite import suite_steps
-    profile = "quick" if args.quick else args.profile
-    problem = report_problem(args.report) if args.report else None
-    if problem:
-        print(f"doracheck verify: {problem}", file=sys.stderr)
-        return 2
-    resolved = impl_and_dtypes(args, "verify")
-    if resolved is None:
-        return 2
-    impl, dtypes = resolved
-    device = _device()
-    family = device_family(device)
-    header = {"impl": impl.name, "profile": profile, "device": device, "family": family}
-    if not args.json:
-        print("doracheck verify: " + " ".join(f"{k}={v}" for k, v in header.items()), flush=True)
+def _judge(spec: str, impl, dtypes: list[str], profile: str, device: str, progress) -> Run:
+    from doracheck.properties import run_suite
+    from doracheck.properties.repro import snippet
     start = time.perf_counter()
-    with Progress("verify", suite_steps(dtypes), json_output=args.json) as progress:
-        results = run_suite(impl, dtypes, profile, device, progress)
+    results = run_suite(impl, dtypes, profile, device, progress)
     elapsed = time.perf_counter() - start
     failed = [r for r in results if r.status == "FAIL"]
-    checked = [r for r in results if r.status != "n/a"]
-    nothing = None
-    if not checked:
-        reason = results[0].detail if results else "no property ran"
-        nothing = f"nothing could be checked on {impl.name}: every property is n/a ({reason})"
-    verdict = nothing or _verdict(results, failed, elapsed)
+    nothing = None if any(r.status != "n/a" for r in results) else (  # no false comfort: exit 2
+        f"nothing could be checked on {impl.name}: every property is n/a ({results[0].detail if results else 'no property ran'})")
+    repros = {id(r): snippet(spec, r, device, profile) for r in failed}
+    return Run(spec, impl.name, results, failed, repros, nothing, nothing or _verdict(results, failed, elapsed), elapsed)
+
+
+def _run(args) -> int:
+    from doracheck.cli.progress import Progress
+    from doracheck.properties import device_family
+    from doracheck.properties.suite import suite_steps
+    profile = "quick" if args.quick else args.profile
+    if args.report and (problem := report_problem(args.report)):
+        print(f"doracheck verify: {problem}", file=sys.stderr)
+        return 2
+    specs = args.impl or ["doracheck"]
+    resolved = [impl_and_dtypes(args, "verify", spec) for spec in specs]
+    if any(r is None for r in resolved):
+        return 2
+    dtypes = resolved[0][1]
+    device = _device()
+    header = {"impl": ", ".join(impl.name for impl, _ in resolved), "profile": profile, "device": device, "family": device_family(device)}
+    if not args.json:
+        print("doracheck verify: " + " ".join(f"{k}={v}" for k, v in header.items()), flush=True)
+    with Progress("verify", suite_steps(dtypes) * len(specs), json_output=args.json) as progress:
+        runs = [_judge(spec, impl, dtypes, profile, device, progress) for spec, (impl, _) in zip(specs, resolved)]
+    code = 2 if all(run.nothing for run in runs) else (1 if any(run.failed for run in runs) else 0)
     if args.report:
         try:
-            write_report(args.report, results, header, verdict, bool(failed or nothing))
+            write_report(args.report, runs, header, facts(header, dtypes))
         except OSError as exc:
             from doracheck.cli.html_report import write_error
 
             print(f"doracheck verify: {write_error(args.report, exc)}", file=sys.stderr)
             return 2
     if args.json:
-        doc = {**header, "passed": not failed and not nothing, "seconds": round(elapsed, 2)}
-        doc.update({"error": nothing} if nothing else {})
-        doc.update({"report": args.report} if args.report else {})
-        print(json.dumps({**doc, "results": [r.as_dict() for r in results]}, indent=2))
+        docs = [_doc(run, header, args) for run in runs]
+        print(json.dumps(docs[0] if len(runs) == 1 else {**header, "passed": code == 0, "implementations": docs}, indent=2))
     else:
-        _print_text(results, failed, verdict, args.report)
-    if nothing:
-        print(f"doracheck verify: {nothing}", file=sys.stderr)
-        return 2
-    return 1 if failed else 0
+        _print_text(runs, args.report, args.repro)
+    for run in [run for run in runs if run.nothing]:
+        print(f"doracheck verify: {run.nothing}", file=sys.stderr)
+    return code
 
 
-def _print_text(results, failed, verdict: str, report: str | None) -> None:
-    print(format_table(results))
-    print(verdict)
-    for r in failed:
-        print(f"  FAIL {r.prop} [{r.dtype}]: {r.worst:.3e} > {r.budget:.3e}; {r.detail}")
-    for r in results:
-        if r.status == "n/a":
-            print(f"  n/a  {r.prop} [{r.dtype}]: {r.detail.removeprefix('n/a: ')}")
+def _doc(run: Run, header: dict, args) -> dict:
+    """One implementation's --json object (with --repro, each failed row carries its reproducer)."""
+    doc = {**header, "impl": run.name, "passed": not run.failed and not run.nothing, "seconds": round(run.seconds, 2),
+           **{k: v for k, v in (("error", run.nothing), ("report", args.report)) if v}}
+    return {**doc, "results": [{**r.as_dict(), **({"repro": run.repros[id(r)]} if args.repro and id(r) in run.repros else {})} for r in run.results]}
+
+
+def _print_text(runs: list[Run], report: str | None, repro: bool) -> None:
+    several = len(runs) > 1
+    print(format_table([], *matrix(runs)) if several else format_table(runs[0].results))
+    for run in runs:
+        print(f"{run.spec}: {run.verdict}" if several else run.verdict)
+        for r in run.failed:
+            print(f"  FAIL {r.prop} [{r.dtype}]: {r.worst:.3e} > {r.budget:.3e}; {r.detail}")
+        for r in run.results:
+            if r.status == "n/a":
+                print(f"  n/a  {r.prop} [{r.dtype}]: {r.detail.removeprefix('n/a: ')}")
+    for text in [text for run in runs for text in run.repros.values()] if repro else []:
+        print(f"\n```python\n{text.rstrip()}\n```")
     print()
     print(LEGEND)
     if report:
@@ -237,11 +308,13 @@ def add_parser(sub) -> None:
     p = sub.add_parser("verify", help="run the property suite against an implementation",
                        description="Run the property suite (oracle distances, metamorphic relations, baseline ratios, "
                                    "edge cases) against an implementation on this machine and print property x dtype "
-                                   "-> pass/FAIL/n/a with the worst error, its budget and the margin.",
-                       epilog=EXIT_CODES)
-    p.add_argument("--impl", default="doracheck",
-                   help="what to check: doracheck (this package, the default), torch (doracheck's pure-PyTorch path), "
-                        "peft (PEFT's DoRA layer), or MODULE:CALLABLE (any function with dora_linear's signature)")
+                                   "-> pass/FAIL/n/a with the worst error, its budget and the margin (several --impl: "
+                                   "a property x implementation matrix).",
+                       epilog=EXIT_CODES.replace("a property failed", "a property failed (any implementation)"))
+    p.add_argument("--impl", action="append", metavar="SPEC",
+                   help="what to check, repeatable: doracheck (this package, the default), torch (doracheck's pure-PyTorch "
+                        "path), peft (PEFT's DoRA layer), doracheck@VARIANT, or MODULE:CALLABLE (any function with "
+                        "dora_linear's signature)")
     p.add_argument("--dtype", default="fp32,bf16,fp16",
                    help="comma list of activation dtypes to check, from fp32, bf16, fp16 (default: all three)")
     p.add_argument("--profile", choices=PROFILES, default="quick",
@@ -249,8 +322,9 @@ def add_parser(sub) -> None:
                         "problem kinds and fan_in_fan_out (default: quick)")
     p.add_argument("--quick", action="store_true", help="same as --profile quick")
     p.add_argument("--json", action="store_true", help="print one JSON object (every result with its margin) instead of the table")
-    p.add_argument("--report", metavar="FILE.html",
-                   help="also write a self-contained HTML report to FILE.html: the table and a chart of the margins "
-                        "(needs matplotlib: pip install matplotlib); combines with --json. Only a new file or "
-                        "an earlier doracheck report is written; any other existing file is refused")
+    p.add_argument("--report", metavar="FILE.html|FILE.md",
+                   help="also write a report (results, versions, device, each failure's cause and reproducer): FILE.html with a chart "
+                        "of the margins (needs matplotlib) or FILE.md; combines with --json. Only a new file or an earlier "
+                        "doracheck report is written; any other existing file is refused")
+    p.add_argument("--repro", action="store_true", help="print a standalone Python reproducer for each failed property (--json: in its row)")
     p.set_defaults(run=run)

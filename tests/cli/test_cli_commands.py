@@ -344,7 +344,7 @@ def test_verify_report_in_a_missing_folder_is_exit_2(folder):
 def test_report_marks_failures_nan_and_exact_results(tmp_path):
     require_matplotlib()
     pytest.importorskip("matplotlib")
-    from doracheck.cli.verify_cmd import write_report
+    from doracheck.cli.verify_cmd import Run, write_report
     from doracheck.properties.results import CheckResult
 
     results = [CheckResult("grad.gradcheck", "fp64", True, 0.0, 0.0, 1),
@@ -352,7 +352,9 @@ def test_report_marks_failures_nan_and_exact_results(tmp_path):
                CheckResult("backward.dx", "bf16", False, 3e-2, 1e-2, 3, "3x over"),
                CheckResult("edge.zero_row", "bf16", False, float("nan"), 0.0, 1, "NaN on a zero row"),
                CheckResult("norm.three_term", "fp16", True, 0.0, 0.0, 0, "n/a: not supported", status="n/a")]
-    write_report(str(tmp_path / "r.html"), results, {"impl": "test"}, "2 of 5 properties FAILED", True)
+    failed = [r for r in results if r.status == "FAIL"]
+    run = Run("test", "test", results, failed, {id(r): "# repro" for r in failed}, None, "2 of 5 properties FAILED", 0.0)
+    write_report(str(tmp_path / "r.html"), [run], {"impl": "test"}, [])
     page = (tmp_path / "r.html").read_text()
     assert "2 of 5 properties FAILED" in page and 'class="fail"' in page and 'class="warn"' in page
     svg = page[page.index("<svg"):page.index("</svg>")]
