@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from doracheck.reference import dora_forward_ref, rel_l2
-from doracheck.reference.deviations import DEVIATIONS, Deviation
+from doracheck.reference import dora_forward_ref, rel_l2, ulp_distance
+from doracheck.reference.deviations import DEVIATION_BY_NAME, DEVIATIONS, Deviation
 
 from .problems import Problem
 from .props_common import Implementation, _call, _dtype_name, _grads
@@ -95,3 +95,21 @@ def verdict(deviations: list[Deviation]) -> str:
     if not deviations:
         return NOT_EXPLAINED
     return "; ".join(f'matches "{d.name}" ({d.description})' for d in deviations)
+
+
+def row_scaling_cause(p: Problem, W_scaled: torch.Tensor, B_scaled: torch.Tensor) -> str:
+    """The cause of a ``meta.row_scaling`` failure. The contract's product form g⊙z is exactly
+    invariant when rows of W and B are scaled by 4 (g/4 and 4z are exact); PEFT's
+    (g-1)⊙base + base + g⊙s⊙lora, rounded in the activation dtype, is not (4·base - 3·base cancels).
+    Named when that form, evaluated on this case, moves y by more than 1 ulp too."""
+    form = DEVIATION_BY_NAME["low-precision compose"]
+
+    def y_of(W: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+        return form.forward(p.x, W, p.lora_A, B, p.magnitude, p.scaling, p.bias, dtype=p.x.dtype,
+                            fan_in_fan_out=p.fan_in_fan_out).to(p.x.dtype)
+
+    moved = float(ulp_distance(y_of(W_scaled, B_scaled), y_of(p.weight, p.lora_B)).max()) if p.x.numel() else 0.0
+    if not moved > 1:
+        return NOT_EXPLAINED
+    return (f'explained by the (g-1)·base + base form of the compose (as in "{form.name}"): rounded in '
+            f"{_dtype_name(p.x.dtype)}, it moves y by {moved:.0f} ulp here, the product form g⊙z by none")

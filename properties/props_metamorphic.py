@@ -8,6 +8,7 @@ import torch
 from doracheck.reference import rel_l2, ulp_distance, ulp_of
 
 from .budgets import budget_for
+from .diagnosis import row_scaling_cause
 from .platform import permutation_slack
 from .problems import Problem
 from .props_common import Implementation, _call, _dtype_name, _field, _result
@@ -47,8 +48,11 @@ def metamorphic(impl: Implementation, p: Problem, family: str) -> list[CheckResu
         rhs = (_call(impl, p, x=x1).double() - b) + (_call(impl, p, x=x2).double() - b)
         lin_err = rel_l2(lhs, rhs)
     fwd = _field(budget_for("forward", "y", dt, family), "rel_l2")
+    scale_detail = "ulp distance, rows of W and B ×4"
+    if not scale_err <= 1.0:
+        scale_detail += " — " + row_scaling_cause(p, W_scaled, B)
     return [
-        _result("meta.row_scaling", dt, scale_err, 1.0, 1, "ulp distance, rows of W and B ×4"),
+        _result("meta.row_scaling", dt, scale_err, 1.0, 1, scale_detail),
         _result("meta.permutation", dt, perm_err, 1.0, 1, "|Δy| / (1 ulp + platform's own movement), features permuted"),
         _result("meta.linearity", dt, lin_err, 3 * fwd, 1, "rel L2 of y(x1+x2)-b vs (y(x1)-b)+(y(x2)-b)"),
     ]

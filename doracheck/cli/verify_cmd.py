@@ -117,7 +117,8 @@ def matrix(runs: list[Run], causes: bool = False) -> tuple[list[str], list[list[
         if r is None or r.status == "n/a":
             return "-" if r is None else "n/a"
         margin = "exact" if r.margin == math.inf else _cells(r)[5] if not 0 < r.margin < 0.05 else f"{r.margin:.0e}x"  # far over: its order, not 0.0x
-        cause = r.detail.rpartition(" — ")[2].split(" (")[0] if causes and r.status == "FAIL" and " — " in r.detail else ""
+        cause = r.detail.rpartition(" — ")[2] if causes and r.status == "FAIL" and " — " in r.detail else ""
+        cause = cause.split(" (")[0] if cause.startswith("matches") else cause.split(":")[0]  # the name, not its description
         return f"{r.status} {margin}{' — ' + cause if cause else ''}"
 
     keys = list(dict.fromkeys((r.prop, r.dtype) for run in runs for r in run.results))

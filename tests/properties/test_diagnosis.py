@@ -41,3 +41,20 @@ def test_a_planted_deviation_fails_and_is_named(name):
 def test_the_correct_layer_is_named_by_none(dtype):
     failed, named = diagnosed(doracheck_implementation(), dtype)
     assert not failed and not named
+
+
+def test_a_row_scaling_failure_is_explained_by_the_form_that_causes_it():
+    """Rows of W and B ×4 leave g⊙z exactly invariant; PEFT's (g-1)·base + base form, rounded in
+    fp32, is not (as PEFT 0.21 fails it). Its failure line names that form; the product form
+    rounded in the same dtype (the naive compose) passes, so the explanation discriminates."""
+    import torch
+    from deviants import low_precision_compose, naive_compose
+
+    from doracheck.properties.problems import cases_for
+    from doracheck.properties.props_metamorphic import metamorphic
+
+    case = cases_for(torch.float32, "cpu")[1]
+    row = {r.prop: r for r in metamorphic(Implementation("(g-1) form", low_precision_compose), case, "cpu")}["meta.row_scaling"]
+    assert row.status == "FAIL" and "explained by the (g-1)·base + base form" in row.detail, row.detail
+    product = {r.prop: r for r in metamorphic(Implementation("product form", naive_compose), case, "cpu")}["meta.row_scaling"]
+    assert product.status == "pass", product.detail
