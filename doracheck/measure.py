@@ -1,10 +1,7 @@
-"""Measuring the layer, above it: the planner's candidates timed side by side, and the rows
-``doracheck bench`` prints (docs/design.md section 5).
-
-Timed planning calls ``measure_variants`` (``planner.plan`` imports it when first needed). Times
-follow ``doracheck.timing``: warm-up, then CUDA events (the host clock on a CPU), medians over
-samples of back-to-back calls; ``measure_variant_spread`` adds the 10th and 90th percentiles.
-"""
+"""Measuring the layer, above it: the planner's candidates timed side by side, and ``doracheck bench``'s
+rows (docs/design.md section 5). Timed planning calls ``measure_variants`` (``planner.plan`` imports it
+when first needed). Times follow ``doracheck.timing``: warm-up, then CUDA events (the host clock on a CPU),
+medians over samples of back-to-back calls; ``measure_variant_spread`` adds the 10th and 90th percentiles."""
 
 from __future__ import annotations
 
@@ -36,10 +33,9 @@ class Spread(NamedTuple):
 def measure_variants(variants: list[Variant], d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype,
                      training: bool, device: torch.device | str = "cuda", rounds: int = 15, *, dropout: bool = False,
                      detach_norm: bool = True, with_linear: bool = False) -> dict[str, float]:
-    """Median ms of one ``dora_linear`` call under each variant, side by side
-    (``timing.time_interleaved``) on one set of random non-zero inputs, norm cache warm as in a
-    step. ``training``: forward and backward, every input but W requiring grad; ``dropout``:
-    p = 0.1 in training mode; ``with_linear`` adds "nn.Linear" on the same x and W."""
+    """Median ms of one ``dora_linear`` call per variant, side by side (``timing.time_interleaved``) on one
+    set of random non-zero inputs, norm cache warm as in a step. ``training``: forward and backward, all
+    inputs but W requiring grad; ``dropout``: p = 0.1, training mode; ``with_linear``: "nn.Linear" too."""
     spread = measure_variant_spread(variants, d_in, d_out, r, tokens, dtype, training, device, rounds, dropout=dropout,
                                     detach_norm=detach_norm, with_linear=with_linear)
     return {name: s.median for name, s in spread.items()}
@@ -150,12 +146,11 @@ def plan_summary(rows: list[dict], timed: bool) -> dict:
 
 
 class CsvRows:
-    """Rows written to a CSV file as they come (a run cut short keeps what it measured); dict cells
-    as JSON, a missing value empty; the header is the first row's keys. An existing file is left as
-    it was until a row exists: the header and first row go to a temporary file in the same folder,
-    which then replaces ``path``; later rows are appended. A run that measures nothing removes only
-    its temporary file. A ``path`` that exists and is not a regular file (a folder, /dev/null) is
-    refused. Opening and writing raise OSError (reported by the caller); ``close()`` cleans up."""
+    """Rows written to a CSV file as they come (a run cut short keeps them); dict cells as JSON, a missing
+    value empty, the header the first row's keys. An existing file is untouched until a row exists: header
+    and first row go to a temporary file beside it, which then replaces ``path``; later rows are appended;
+    a run measuring nothing removes only its temporary file. An existing non-regular ``path`` (a folder,
+    /dev/null) is refused. Opening and writing raise OSError (the caller reports); ``close()`` cleans up."""
 
     def __init__(self, path: str) -> None:
         import errno

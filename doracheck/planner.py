@@ -1,31 +1,25 @@
-"""Computation-order planner for the DoRA layer (the RunLoRA idea, arXiv 2312.03415).
-
-A DoRA layer can be computed in several orders that give the same function; which is fastest
-depends on d_in, d_out, r, the token count T and the dtype. The planner enumerates them,
-predicts each one's time from a cost model (FLOPs and bytes against the device's measured
-ceilings, plus the host's cost of issuing each op) or times them once per shape, and picks
+"""Computation-order planner for the DoRA layer (the RunLoRA idea, arXiv 2312.03415): a DoRA layer can be
+computed in several orders giving the same function, the fastest depending on d_in, d_out, r, the token count
+T and the dtype. The planner enumerates them, predicts each one's time from a cost model (FLOPs and bytes
+against the device's measured ceilings, plus the host's cost per op) or times them once per shape, and picks
 one; ``dora_linear`` asks it on every call (cached per shape).
 
 Variants (``Variant``):
-- ``order``:
-  * "factored": base = x·Wᵀ, xa = x·Aᵀ, then the up-projection xa·Bᵀ fused with the compose;
-    backward dx = dz·W + s·(dz·B)·A. Extra FLOPs over nn.Linear: 2·T·r·(d_in + d_out) forward.
-  * "merged": W' = W + s·B·A formed in the compute dtype (one GEMM, fp32 accumulation, rounded
-    once), base = x·W'ᵀ, y = g⊙base (+ b); the backward forms W' again and dx = dz·W'. Extra:
-    2·d_out·r·d_in FLOPs per pass, independent of T, and a d_out×d_in temporary. Rounding W'
-    to 16 bits perturbs every weight by up to half an ulp, breaking the compose's 0.5-ulp
-    property (docs/design.md section 2); in fp32 it is 2^-24 relative, far inside every fp32
-    budget. So "merged" is a candidate for fp32 only, without dropout, with the detached norm,
-    and where its temporary fits the memory allowance.
-- ``chunked`` (training): the backward's dz = g⊙dy a token chunk at a time
-  (settings.BACKWARD_CHUNK_BYTES) or whole; a chunked dB is summed over chunks in fp32.
-- ``save_xa`` (training): keep x·Aᵀ (T×r) from the forward, or recompute it (bitwise the same
-  GEMM): T×r of activation memory against 2·T·r·d_in FLOPs.
+- ``order`` "factored": base = x·Wᵀ, xa = x·Aᵀ, then the up-projection xa·Bᵀ fused with the compose; backward
+  dx = dz·W + s·(dz·B)·A. Extra FLOPs over nn.Linear: 2·T·r·(d_in + d_out) forward.
+- ``order`` "merged": W' = W + s·B·A in the compute dtype (an fp32-accumulated GEMM, rounded once),
+  y = g⊙(x·W'ᵀ) (+ b); backward: W' again, dx = dz·W'. Extra: 2·d_out·r·d_in FLOPs a pass (any T) and a
+  d_out×d_in temporary. A 16-bit W' moves each weight up to half an ulp, breaking the compose's 0.5-ulp
+  property (docs/design.md section 2); in fp32 by 2^-24 relative, far inside every fp32 budget. So "merged" is
+  a candidate only in fp32, without dropout, with the detached norm, where its temporary fits the allowance.
+- ``chunked`` (training): the backward's dz = g⊙dy a token chunk at a time (settings.BACKWARD_CHUNK_BYTES) or
+  whole; a chunked dB is summed over chunks in fp32.
+- ``save_xa`` (training): keep x·Aᵀ (T×r) from the forward or recompute it (bitwise the same GEMM): T×r
+  activations against 2·T·r·d_in FLOPs.
 
-Memory allowance: at most ``max(32 MiB, 0.25·T·d_out·itemsize)`` of peak memory over the plain
-linear layer's (the target: <= 1.25x nn.Linear + 32 MiB); a variant's own extra must fit in what
-the adapter gradients and their fp32 accumulators leave in training (the default always fits).
-"""
+Memory allowance: at most ``max(32 MiB, 0.25·T·d_out·itemsize)`` of peak memory over the plain linear layer's
+(target: <= 1.25x nn.Linear + 32 MiB); a variant's own extra must fit in what the adapter gradients and their
+fp32 accumulators leave in training (the default always fits)."""
 
 from __future__ import annotations
 
@@ -56,14 +50,12 @@ DEFAULT = Variant()
 
 @dataclass(frozen=True)
 class Ceilings:
-    """What the cost model divides by. H200: bf16 GEMM 687 TFLOP/s (8192³, cuBLAS), copy
-    4246 GB/s counting read + write; fp32 GEMM taken as bf16/14 (no tensor cores; cuBLAS fp32
-    about 50 TFLOP/s, datasheet 67); a kernel costs at least ``kernel_s``. Host cost per op, from the
-    host-bound rows (T = 1 and 256) of ``doracheck bench --plan`` on two H200 machines (two
-    tables pooled): a forward op 38 µs (median no_grad forward 0.230 ms over 6 modelled ops;
-    0.262 and 0.210 ms in the two tables apart), a backward op 65 µs (the autograd engine and
-    the Python backward included; median training call 1.235 ms measured, 1.241 predicted).
-    Host time varies by ±40% between machines and runs, so only side-by-side timings compare."""
+    """What the cost model divides by. H200: bf16 GEMM 687 TFLOP/s (8192³, cuBLAS), copy 4246 GB/s (read +
+    write); fp32 GEMM bf16/14 (no tensor cores; cuBLAS fp32 ~50 TFLOP/s, datasheet 67); kernel ≥ ``kernel_s``.
+    Host cost per op, from the host-bound rows (T = 1 and 256) of ``doracheck bench --plan`` on two H200s,
+    pooled: forward 38 µs (median no_grad forward 0.230 ms over 6 modelled ops; 0.262 and 0.210 ms per
+    table), backward 65 µs (autograd and Python backward in; median training call 1.235 ms measured, 1.241
+    predicted). Host time varies ±40% by machine and run: only side-by-side timings compare."""
 
     gemm_flops_16: float = 687e12
     gemm_flops_32: float = 49e12
@@ -100,9 +92,8 @@ class Plan:
         return text
 
 
-# Process-wide, not a ContextVar: the backward (autograd's device threads) and the recompute
-# of non-reentrant activation checkpointing run outside the caller's context, and must make
-# the same choice as the forward did (the saved tensors depend on it).
+# Process-wide, not a ContextVar: the backward (autograd's device threads) and non-reentrant checkpoint
+# recompute run outside the caller's context and must choose as the forward did (saved tensors depend on it).
 _FORCED: list[Variant | None] = [None]
 _MAX_PLANS = 4096
 _PLANS: dict[tuple, Variant] = {}
@@ -225,11 +216,10 @@ def plan(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype = torch.
          timed: bool = False, device: torch.device | str = "cuda", dropout: bool = False, detach_norm: bool = True,
          ceilings: Ceilings = H200, measure: Callable[..., dict[str, float]] | None = None,
          refresh: bool = False) -> Plan:
-    """The variant for a DoRA layer of this shape, with every candidate's predicted time. With
-    ``timed`` the fastest measured candidate: ``measure(candidates, d_in, d_out, r, tokens, dtype,
-    training, device, dropout=..., detach_norm=...)`` -> {name: ms} times them side by side once
-    per shape (cached; ``refresh`` measures again); default ``doracheck.measure.measure_variants``,
-    imported when first needed (it imports the planner)."""
+    """The variant for a DoRA layer of this shape, with every candidate's predicted time. With ``timed`` the
+    fastest measured: ``measure(candidates, d_in, d_out, r, tokens, dtype, training, device, dropout=...,
+    detach_norm=...)`` -> {name: ms} times them side by side once per shape (cached; ``refresh`` measures
+    again); default ``measure.measure_variants``, imported when first needed (it imports the planner)."""
     cands = candidates(d_in, d_out, r, tokens, dtype, training, dropout, detach_norm)
     predicted = {v.name: predict_ms(v, d_in, d_out, r, tokens, dtype, training, ceilings) for v in cands}
     if not timed:
@@ -253,10 +243,9 @@ def plan(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype = torch.
 
 def choose(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype, training: bool, dropout: bool,
            detach_norm: bool, device: torch.device) -> Variant:
-    """What ``dora_linear`` runs: a forced variant, else the planner's choice, cached per shape:
-    the cost model's on a GPU, or with ``set_mode("timed")`` the fastest measured on any device
-    (timed on fresh inputs at the shape's first call). A forced "merged" with dropout or the
-    exact norm gradient falls back to "factored" with the same flags."""
+    """What ``dora_linear`` runs: a forced variant, else the planner's choice cached per shape: the cost
+    model's on a GPU, or with ``set_mode("timed")`` the fastest measured (any device, on fresh inputs at
+    its first call). A forced "merged" with dropout or the exact norm gradient runs "factored", same flags."""
     if torch.compiler.is_compiling():
         return DEFAULT  # compiled graphs keep one order (and Dynamo does not trace ContextVar)
     forced = _FORCED[0]
@@ -278,11 +267,9 @@ def choose(d_in: int, d_out: int, r: int, tokens: int, dtype: torch.dtype, train
 
 
 def set_mode(mode: str) -> None:
-    """How ``dora_linear`` plans from now on, process-wide: "cost" (the default) or "timed"
-    (measure each new shape's candidates once, keep the fastest; ``DORACHECK_PLAN`` sets the
-    starting mode). Timing costs about 15 calls of each candidate and a second set of the
-    layer's inputs in memory per new shape; it is skipped under CUDA graph capture and
-    torch.compile (the default order runs there)."""
+    """How ``dora_linear`` plans, process-wide: "cost" (default) or "timed" (each new shape's candidates
+    measured once, the fastest kept; ``DORACHECK_PLAN`` sets the start). Timing costs about 15 calls per
+    candidate and a second set of inputs per new shape; never under graph capture or torch.compile."""
     if mode not in ("cost", "timed"):
         raise ValueError(f"planner mode: expected 'cost' or 'timed', got {mode!r}")
     _MODE[0] = mode

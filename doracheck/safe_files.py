@@ -1,5 +1,4 @@
-"""Writing a user's file without ever leaving it half-written or replaced by nothing: the new
-content goes to a temporary file in the same folder, which then replaces the target with
+"""Writing a user's file, never leaving it half-written or gone: a temporary file in the same folder, then
 ``os.replace`` (atomic on one file system). Used by the HTML reports and ``bench --csv``."""
 
 from __future__ import annotations
@@ -9,8 +8,7 @@ import tempfile
 
 
 def new_file_mode() -> int:
-    """The mode a new file gets here (0o666 less the umask; mkstemp's 0600 would make a
-    private file of a shared one)."""
+    """A new file's mode here: 0o666 less the umask (mkstemp's 0600 would make a shared file private)."""
     umask = os.umask(0o022)
     os.umask(umask)
     return 0o666 & ~umask
@@ -23,8 +21,7 @@ def temp_beside(path: str) -> tuple[int, str]:
 
 
 def install(tmp: str, path: str) -> None:
-    """``tmp`` (written and closed) becomes ``path``; on failure ``tmp`` is removed, the error
-    raised, and ``path`` left as it was."""
+    """``tmp`` (written, closed) becomes ``path``; a failure removes ``tmp``, leaves ``path`` and raises."""
     try:
         os.chmod(tmp, new_file_mode())
         os.replace(tmp, path)

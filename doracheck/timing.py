@@ -31,16 +31,13 @@ MAX_CALLS_PER_SAMPLE = 64
 
 def time_interleaved(fns: Mapping[str, Callable[[], object]], device: torch.device | str, rounds: int = 15,
                      warmup: int = 3, min_sample_ms: float = 2.0) -> dict[str, list[float]]:
-    """Sorted per-call ms for each named callable, measured side by side.
-
-    The callables run round-robin, the order rotating each round, so drift (clocks, the
-    allocator's state, host load) falls on all alike, not on whichever ran first. Each of the
-    ``rounds`` samples times ``k`` back-to-back calls between two CUDA events (the host clock on a
-    CPU) and divides by ``k``, chosen from a warm call so a sample lasts about ``min_sample_ms`` (at
-    most ``MAX_CALLS_PER_SAMPLE`` calls: a 20 µs call gets 1.3 ms samples). Back-to-back calls let
-    the host run ahead of the GPU as between a model's layers, so a host-bound call is timed at its
-    host cost and a GPU-bound one at its GPU time; one event pair and one synchronisation per sample
-    keep their own cost out of short calls."""
+    """Sorted per-call ms for each named callable, measured side by side: round-robin, the order rotating
+    each round, so drift (clocks, allocator state, host load) falls on all alike, not on whichever ran
+    first. Each of the ``rounds`` samples times ``k`` back-to-back calls between two CUDA events (the host
+    clock on a CPU) and divides by ``k``, chosen from a warm call so a sample lasts about ``min_sample_ms``
+    (at most ``MAX_CALLS_PER_SAMPLE``: a 20 µs call gets 1.3 ms samples). Back-to-back calls let the host
+    run ahead of the GPU as between a model's layers, so a host-bound call is timed at its host cost and a
+    GPU-bound one at its GPU time; one event pair and one sync a sample keep their cost out of short calls."""
     dev = torch.device(device)
     names = list(fns)
     if not names or rounds < 1:

@@ -43,8 +43,7 @@ def check_scaling(scaling) -> float:
 
 
 def check_weights(
-    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, *, fan_in_fan_out: bool
-) -> DoraDims:
+    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, *, fan_in_fan_out: bool) -> DoraDims:
     """Shapes, dtypes and devices of W, A, B; returns (d_in, d_out, r)."""
     for name, t in (("weight", weight), ("lora_A", lora_A), ("lora_B", lora_B)):
         _require_tensor(name, t)
@@ -72,9 +71,8 @@ def _require_same_device(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _plainly_valid(x, weight, lora_A, lora_B, magnitude, scaling, bias, dropout_p, fan_in_fan_out) -> bool:
-    """The common call, checked in one expression (it runs every forward: on a slow host the
-    step-by-step checks below cost tens of µs). False sends the call through those checks,
-    which find the problem and name it; so this may be strict, never lenient."""
+    """The common call in one expression (it runs every forward; the checks below cost tens of µs on a slow
+    host). False sends the call through those, which name the problem: so strict is fine, lenient not."""
     T = torch.Tensor
     F = FLOAT_DTYPES
     if not (isinstance(x, T) and isinstance(weight, T) and isinstance(lora_A, T) and isinstance(lora_B, T)
@@ -92,21 +90,12 @@ def _plainly_valid(x, weight, lora_A, lora_B, magnitude, scaling, bias, dropout_
         and x.device == dev and lora_A.device == dev and lora_B.device == dev and magnitude.device == dev
         and (bias is None or (bias.dtype in F and bias.shape == (d_out,) and bias.device == dev))
         and type(scaling) in (float, int) and abs(scaling) <= sys.float_info.max and type(dropout_p) in (float, int)
-        and 0.0 <= dropout_p < 1.0
-    )
+        and 0.0 <= dropout_p < 1.0)
 
 
 def check_dora_inputs(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    magnitude: torch.Tensor,
-    scaling,
-    bias: torch.Tensor | None,
-    *,
-    dropout_p: float,
-    fan_in_fan_out: bool,
+    x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor,
+    magnitude: torch.Tensor, scaling, bias: torch.Tensor | None, *, dropout_p: float, fan_in_fan_out: bool,
     dropout_mask: torch.Tensor | None = None,
 ) -> DoraDims:
     """All of ``dora_linear``'s arguments; raises ValueError naming the offending one."""

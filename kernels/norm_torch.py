@@ -3,13 +3,10 @@
     n_i² = ||W_i||² + 2s·Σ_j B_ij·U_ij + s²·Σ_j (B·G)_ij·B_ij
     U = W·Aᵀ (d_out × r),  G = A·Aᵀ (r × r)
 
-W is read in column chunks of ``chunk`` input features, upcast chunk by chunk, so nothing of
-size d_out × d_in is allocated beyond W. Every reduction accumulates in fp32, or fp64 when any
-input is fp64 (gradcheck). Extra memory, in bytes:
-    4·(d_out·r + r² + 3·d_out + r·chunk) + 8·d_out·chunk
-(U, G, the three term vectors, an fp32 A chunk, and the fp32 W chunk plus its square). No
-autograd here: callers wrap this.
-"""
+W is read in column chunks of ``chunk`` input features, upcast chunk by chunk, so nothing of size d_out ×
+d_in is allocated beyond W. Every reduction accumulates in fp32, or fp64 when any input is fp64
+(gradcheck). Extra memory, in bytes: 4·(d_out·r + r² + 3·d_out + r·chunk) + 8·d_out·chunk (U, G, the
+three term vectors, an fp32 A chunk, the fp32 W chunk and its square). No autograd here: callers wrap it."""
 
 from __future__ import annotations
 
@@ -37,9 +34,8 @@ def accumulation_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 def norm_chunk(d_out: int, d_in: int, budget_bytes: int = NORM_CHUNK_BYTES) -> int:
-    """Input features per chunk: the fp32 W chunk and its square fit ``budget_bytes`` and
-    take at most 1/16 of the columns (at least 64), so the chunk term 8·d_out·chunk stays at
-    most an eighth of a dense fp32 d_out × d_in temporary."""
+    """Input features per chunk: the fp32 W chunk and its square fit ``budget_bytes`` and take at most 1/16
+    of the columns (at least 64), so 8·d_out·chunk stays at most an eighth of a dense fp32 d_out × d_in."""
     per_column = 8 * max(d_out, 1)
     return int(max(1, min(d_in, budget_bytes // per_column, max(64, d_in // 16))))
 
@@ -53,13 +49,8 @@ def combine_terms(base: torch.Tensor, cross: torch.Tensor, lora: torch.Tensor, s
 
 
 def factored_norm_torch(
-    weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    scaling: float,
-    *,
-    fan_in_fan_out: bool = False,
-    chunk: int | None = None,
+    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, *,
+    fan_in_fan_out: bool = False, chunk: int | None = None,
 ) -> FactoredNorm:
     """Row norms of W + s·B·A without forming it. ``weight`` is (d_out, d_in), or
     (d_in, d_out) with ``fan_in_fan_out`` (read in place, never transposed into a copy)."""

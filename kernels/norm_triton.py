@@ -6,31 +6,25 @@
     lora_i  = Σ_j B_ij·(B·G)_ij, G = A·Aᵀ (GEMM M = d_out, N = r, K = r; reduced in its epilogue)
 
 Two paths for base and cross (``terms_from_gram``):
-- 16-bit W (``settings.cublas_cross_pieces``): U = W·Aᵀ by cuBLAS with fp32 output
-  (``cross_product_u``), then ``_norm_from_u_kernel`` reads W (base), U and B (cross) and the
-  lora partials and finishes in one launch (d_out × r or 2r fp32 of U: no d_out × d_in).
-- fp32 W: the row-dot kernel on (W, A, B) (tf32x3), the base term from the same W tiles, then
-  ``_norm_finish_kernel``.
+- 16-bit W (``settings.cublas_cross_pieces``): U = W·Aᵀ by cuBLAS with fp32 output (``cross_product_u``), then
+  ``_norm_from_u_kernel`` reads W (base), U and B (cross) and the lora partials and finishes in one launch
+  (d_out × r or 2r fp32 of U: no d_out × d_in).
+- fp32 W: the row-dot kernel on (W, A, B) (tf32x3), base from the same W tiles, then ``_norm_finish_kernel``.
 
-Kernels: ``_rowdot_kernel`` (per-row partials of Σ_j C⊙(X·Yᵀ), launched as (X, Y, C) =
-(B, G, B) for lora and (W, A, B) on the fp32 path), ``_gram_kernel`` (split-K partials of G),
-``_norm_finish_kernel`` / ``_norm_from_u_kernel`` (the sums combined into n). Partials are summed
-in a fixed order, no atomics, and cuBLAS is bitwise reproducible with a fixed workspace
-configuration: the norm is bitwise deterministic.
+Kernels: ``_rowdot_kernel`` ((X, Y, C) = (B, G, B) for lora, (W, A, B) on the fp32 path), ``_gram_kernel``,
+``_norm_finish_kernel`` / ``_norm_from_u_kernel``. Partials are summed in a fixed order, no atomics, and
+cuBLAS is bitwise reproducible with a fixed workspace configuration: the norm is bitwise deterministic.
 
-Precision: 16-bit X runs on tensor cores with fp32 accumulation (cuBLAS's U too: exact products,
-fp32 accumulation and split-K partials). A Y of another dtype is split into pieces of X's dtype,
-not rounded: fp32 (or fp16-under-bf16) A into two (hi + lo: 16 bits in bf16), G into three with
-bf16 B (about all 24 bits; K = r, so cheap). With fp16 B the lora GEMM runs in fp32 (tf32x3):
-fp16 pieces of G would overflow or fall into subnormals. fp32 X uses ``tf32x3`` (about fp32
-accuracy). ``fan_in_fan_out`` is read through strides.
+Precision: 16-bit X runs on tensor cores with fp32 accumulation (cuBLAS's U too: exact products, fp32
+accumulation and split-K partials); fp32 X uses ``tf32x3`` (about fp32 accuracy). A Y of another dtype is
+split into pieces of X's dtype, not rounded: fp32 (or fp16-under-bf16) A into two (hi + lo: 16 bits in bf16),
+G into three with bf16 B (about all 24 bits; K = r, so cheap). With fp16 B the lora GEMM runs in fp32
+(tf32x3): fp16 pieces of G would overflow or fall into subnormals. ``fan_in_fan_out`` is read through strides.
 
-Why two paths (H200, bf16, r = 384; figures in ``settings.cublas_cross_pieces``): the row-dot
-kernel is right only with 64-wide tiles when it also sums W², and the fused base term slows it,
-while cuBLAS's W·Aᵀ is fast (the whole training norm at 8192²: 244.1 → 158.6 µs). An epilogue
-forming B·G inside the W·Aᵀ kernel cost 110-140 µs more (register pressure), hence the separate
-(B, G, B) launch.
-"""
+Why two paths (H200, bf16, r = 384; figures in ``settings.cublas_cross_pieces``): the row-dot kernel is right
+only with 64-wide tiles when it also sums W², and the fused base term slows it, while cuBLAS's W·Aᵀ is fast
+(the whole training norm at 8192²: 244.1 → 158.6 µs). An epilogue forming B·G inside the W·Aᵀ kernel cost
+110-140 µs more (register pressure), hence the separate (B, G, B) launch."""
 
 from __future__ import annotations
 
@@ -48,8 +42,7 @@ _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
 
 @triton.jit
 def _tile_dot(
-    x_ptr, stride_xm, stride_xk, y_ptr, stride_yn, stride_yk,
-    rows, cols, M, N, k_start, k_stop,
+    x_ptr, stride_xm, stride_xk, y_ptr, stride_yn, stride_yk, rows, cols, M, N, k_start, k_stop,
     DOT_DTYPE: tl.constexpr, SPLIT_LO: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     COMPUTE_SQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -86,9 +79,9 @@ def _tile_dot_sub(
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, N_SUB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """(acc0, acc1, acc2, sq): acc_i = X[rows]·Y[cols0 + i·BLOCK_N + (0..BLOCK_N)]ᵀ for the
-    first N_SUB (2 or 3) sub-tiles, from one load of each X tile (an N of 384 is covered by three
-    128-wide tiles, not padded to 512), and sq = Σ_k X[rows, k]². Y is X's dtype (no split)."""
+    """(acc0, acc1, acc2, sq): acc_i = X[rows]·Y[cols0 + i·BLOCK_N + (0..BLOCK_N)]ᵀ for the first N_SUB (2
+    or 3) sub-tiles, from one load of each X tile (N = 384 takes three 128-wide tiles, not one padded to
+    512), and sq = Σ_k X[rows, k]². Y is X's dtype (no split)."""
     kk = tl.arange(0, BLOCK_K)
     row_ok = rows < M
     cols1 = cols0 + BLOCK_N
@@ -134,10 +127,9 @@ def _rowdot_kernel(
     COMPUTE_BASE: tl.constexpr, N_SUB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """part[ks·n_slots + pn·N_SUB + i, rows] = Σ_{j in sub-tile i of tile pn} C_ij·(X·Yᵀ)_ij over
-    the ks-th range of k (split K, program axis 2); sq[ks, i] = Σ_{k in that range} X_ik² (from
-    the pn = 0 programs). N_SUB > 1 (no split of Y): one program covers N_SUB tiles of BLOCK_N
-    columns from one load of each X tile."""
+    """part[ks·n_slots + pn·N_SUB + i, rows] = Σ_{j in sub-tile i of tile pn} C_ij·(X·Yᵀ)_ij over the ks-th
+    range of k (split K, program axis 2); sq[ks, i] = Σ_{k in that range} X_ik² (from the pn = 0 programs).
+    N_SUB > 1 (no split of Y): one program covers N_SUB tiles of BLOCK_N columns from one load of X."""
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
     pid_k = tl.program_id(2).to(tl.int64)
@@ -169,8 +161,7 @@ def _rowdot_kernel(
 
 @triton.jit
 def _store_terms(terms_ptr, stride_tr, rows, ok, base, cross, lora, s):
-    """terms[0..3, rows] = base, cross, lora, norm = sqrt(max(base + 2s·cross + s²·lora, 0))
-    (NaN propagates), fp32."""
+    """terms[0..3, rows] = base, cross, lora, norm = sqrt(max(base + 2s·cross + s²·lora, 0)) in fp32."""
     squared = base + (2.0 * s) * cross + (s * s) * lora
     squared = tl.where(squared < 0.0, 0.0, squared)  # rounding below 0 where W cancels s·B·A; NaN stays
     norm = tl.sqrt_rn(squared)
@@ -186,8 +177,7 @@ def _norm_finish_kernel(
     cross_part_ptr, stride_cp, n_cross,  # (n_cross, M) fp32 partials of the cross term
     sq_ptr, stride_sp, n_sq,  # (n_sq, M) fp32 partials of the base term
     lora_part_ptr, stride_lp, n_lora,  # (n_lora, M) fp32 partials of the lora term
-    M, scaling,
-    BLOCK: tl.constexpr,
+    M, scaling, BLOCK: tl.constexpr,
 ):
     """base = Σ_p sq[p], cross = Σ_p cross_part[p], lora = Σ_p lora_part[p] (p in order), and
     norm (``_store_terms``), stored as the rows of ``terms`` (one output: no aliased pointers)."""
@@ -216,10 +206,9 @@ def _norm_from_u_kernel(
     M, N, K, scaling,
     PIECES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """base = Σ_k W_ik², cross = Σ_j B_ij·U_ij (PIECES = 2: Σ_j B_ij·(U_ij + U_i,N+j), A's two
-    pieces summed in fp32), lora = Σ_p lora_part[p]; each fp32 sum in a fixed order (element-wise
-    into a BLOCK-wide accumulator, then one tree sum), stored as ``_norm_finish_kernel`` does.
-    One program per BLOCK_M rows: a streaming read of W (cuBLAS cannot reduce in its epilogue)."""
+    """base = Σ_k W_ik², cross = Σ_j B_ij·U_ij (PIECES = 2: Σ_j B_ij·(U_ij + U_i,N+j)), lora = Σ_p
+    lora_part[p]; fp32 sums in a fixed order (element-wise into a BLOCK-wide accumulator, then one tree
+    sum), stored like ``_norm_finish_kernel``; W streamed (cuBLAS cannot reduce in its epilogue)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     ok = rows < M
     kk = tl.arange(0, BLOCK_K)
@@ -280,10 +269,9 @@ def _dot_setup(x_dtype: torch.dtype, y_dtype: torch.dtype, pieces: int = 2):
 
 
 def gram_triton(lora_A: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """G = A·Aᵀ in fp32 (r, r), deterministic split-K: exact products for 16-bit A (fp32
-    accumulation), tf32x3 for fp32 A; written into ``out`` if given (the same bits).
-    Triton, not cuBLAS's fp32-output GEMM: cuBLAS was 4-7 µs faster on a whole norm but less
-    accurate (n against fp64 4.6e-6 instead of 8.8e-7 at d_in = 4096, H200, bf16, r = 384)."""
+    """G = A·Aᵀ in fp32 (r, r), deterministic split-K: exact products for 16-bit A (fp32 accumulation),
+    tf32x3 for fp32 A; into ``out`` if given (same bits). Triton, not cuBLAS: 4-7 µs slower on a whole
+    norm, but n is 4.6e-6 off fp64 with cuBLAS, 8.8e-7 with Triton (d_in = 4096, H200, bf16, r = 384)."""
     r, d_in = lora_A.shape
     dot_dtype, split_lo, precision = _dot_setup(lora_A.dtype, lora_A.dtype)
     cfg = gram_config(r, d_in)
@@ -308,8 +296,7 @@ def gram_triton(lora_A: torch.Tensor, out: torch.Tensor | None = None) -> torch.
 def rowdot_parts(
     X: torch.Tensor, x_strides, Y: torch.Tensor, C: torch.Tensor, *, compute_base: bool, pieces: int = 2
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(Σ_j C⊙(X·Yᵀ) per row, Σ_k X² per row or None) as fp32 partials, unsummed, (split K × column
-    tiles, M), and Σ X² as (split K, M) partials or None."""
+    """Unsummed fp32 partials: Σ_j C⊙(X·Yᵀ) per row (split K × column tiles, M), Σ_k X² (split K, M)/None."""
     M, N = C.shape
     K = Y.shape[1]
     dot_dtype, split_lo, precision = _dot_setup(X.dtype, Y.dtype, pieces)
@@ -360,12 +347,11 @@ def norm_finish(cross_part: torch.Tensor, sq: torch.Tensor, lora_part: torch.Ten
 
 
 def cross_product_u(weight_rows: torch.Tensor, lora_A: torch.Tensor, pieces: int = 1) -> torch.Tensor:
-    """U = W·Aᵀ in fp32 for 16-bit W: (d_out, r), or with ``pieces`` = 2 (A of another dtype)
-    (d_out, 2r), W·A_hiᵀ then W·A_loᵀ, A_hi = A rounded to W's dtype and A_lo = (A − A_hi)
-    rounded to it (to nearest, as the row-dot kernel splits; the difference is exact in fp32).
-    cuBLAS with fp32 output (``aten::mm.dtype``: exact products, fp32 accumulation and split-K
-    partials, so the reduced-precision flags do not apply). Under the interpreter (CPU, no such
-    overload) d_out × d_in fp32 copies, the same arithmetic, fine at its small shapes."""
+    """U = W·Aᵀ in fp32 for 16-bit W: (d_out, r), or with ``pieces`` = 2 (A of another dtype) (d_out, 2r),
+    W·A_hiᵀ then W·A_loᵀ, A_hi = A rounded to W's dtype and A_lo = (A − A_hi) rounded to it (to nearest, as
+    the row-dot kernel splits; the difference is exact in fp32). cuBLAS with fp32 output
+    (``aten::mm.dtype``: exact products, fp32 accumulation and split-K partials; reduced-precision flags do
+    not apply). Interpreted (CPU, no such overload): d_out × d_in fp32 copies, same arithmetic."""
     # Outside autograd: under grad mode a Parameter A would record a graph node at every norm
     # (under no_grad nothing is recorded, and a detach would be one more host op).
     if torch.is_grad_enabled():
@@ -415,9 +401,8 @@ def terms_from_gram(
     """(4, d_out) fp32 rows (base, cross, lora, norm) given G = A·Aᵀ: the launches after the
     Gram product, by the two paths of the module docstring."""
     W_rows = weight.t() if fan_in_fan_out else weight
-    # lora_i = Σ_j B_ij·(B·G)_ij: row-dot with X = B, Y = G (split in pieces), C = B. fp16 pieces
-    # of G overflow once ||A_i||² > 65504, so fp16 B runs in fp32 (tf32x3; K = r, cheap); bf16
-    # has fp32's range.
+    # lora_i = Σ_j B_ij·(B·G)_ij: row-dot with X = B, Y = G (split in pieces), C = B. fp16 pieces of G
+    # overflow once ||A_i||² > 65504, so fp16 B runs in fp32 (tf32x3; K = r, cheap); bf16 has fp32's range.
     B_dot = lora_B if lora_B.dtype != torch.float16 else lora_B.float()
     lora_part, _ = rowdot_parts(B_dot, (B_dot.stride(0), B_dot.stride(1)), G, B_dot, compute_base=False, pieces=3)
     pieces = cublas_cross_pieces(weight.dtype, lora_A.dtype)
@@ -435,11 +420,7 @@ def norm_terms(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor,
 
 
 def factored_norm_triton(
-    weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    scaling: float,
-    *,
+    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, *,
     fan_in_fan_out: bool = False,
 ) -> FactoredNorm:
     """Same contract as ``factored_norm_torch`` (fp32 terms); ``U`` and ``G`` are not kept (None)."""

@@ -1,36 +1,33 @@
 """Tolerance budgets: how far an implementation may be from the oracle. Data, one row each.
 
-A row is keyed by (op, output, dtype, family), named fields only; lookup falls back from the exact
-family to the default row (family "*"). **A budget is a bound, not a fit** (docs/design.md
-section 3): every row is an a-priori bound from the dtype's unit roundoff u and the number of
-roundings on the way to the output (written next to it), or a baseline ratio against the
-same-precision eager reference on the same machine, floored at the case's representation noise.
-No row comes from this implementation's observed error (such a row passes anything, bugs included:
-bf16 rows at twice the observed error pass a 1% error in dx). ``doracheck calibrate`` reports how
-tight each bound is on a machine; it never proposes a row.
+A row is keyed by (op, output, dtype, family), named fields only; lookup falls back from the exact family to
+the default row (family "*"). **A budget is a bound, not a fit** (docs/design.md section 3): every row is an
+a-priori bound from the dtype's unit roundoff u and the number of roundings on the way to the output (written
+next to it), or a baseline ratio against the same-precision eager reference on the same machine, floored at
+the case's representation noise. No row comes from this implementation's observed error (such a row passes
+anything, bugs included: bf16 rows at twice the observed error pass a 1% error in dx). ``doracheck calibrate``
+reports how tight each bound is on a machine; it never proposes a row.
 
-The oracle distance (``forward``/``backward`` rows) bounds the error absolutely and catches gross
-bugs in any precision, but in 16 bits, where an output's rounding alone is u, cannot resolve a 1%
-error. The baseline ratio (``ratio_*`` rows) can: a correct implementation is about as accurate as
-the naive PEFT-style computation in the same dtype on the same inputs (measured: at most 1.6x it,
-quick and full profiles, CPU), so ``err(impl) <= 2·err(naive) + floor`` fails a 1.01x gradient
-(``tests/properties/test_mutations.py``).
+The oracle distance (``forward``/``backward`` rows) bounds the error absolutely and catches gross bugs in any
+precision, but in 16 bits, where an output's rounding alone is u, cannot resolve a 1% error. The baseline
+ratio (``ratio_*`` rows) can: a correct implementation is about as accurate as the naive PEFT-style
+computation in the same dtype on the same inputs (measured: at most 1.6x it, quick and full profiles, CPU), so
+``err(impl) <= 2·err(naive) + floor`` fails a 1.01x gradient (``tests/properties/test_mutations.py``).
 
-u(fp32) = 2⁻²⁴ ≈ 6.0e-8, u(bf16) = 2⁻⁸ ≈ 3.9e-3, u(fp16) = 2⁻¹¹ ≈ 4.9e-4. Families: cpu,
-interpreter (Triton under TRITON_INTERPRET=1), sm80, sm89, sm90, sm100, sm120.
+u(fp32) = 2⁻²⁴ ≈ 6.0e-8, u(bf16) = 2⁻⁸ ≈ 3.9e-3, u(fp16) = 2⁻¹¹ ≈ 4.9e-4. Families: cpu, interpreter (Triton
+under TRITON_INTERPRET=1), sm80, sm89, sm90, sm100, sm120.
 
 Fields:
-  rel_l2       max ||impl - oracle||₂ / ||oracle||₂ over a case; forward and backward rows multiply
-               it by the case's condition ρ of that output (``reference.output_conditions``)
+  rel_l2       max ||impl - oracle||₂ / ||oracle||₂ over a case; forward and backward rows multiply it by
+               the case's condition ρ of that output (``reference.output_conditions``)
   ulp          max |impl - exact| in ulps of the output dtype (the compose property)
   fp32_terms   K in the compose allowance K·u(fp32)·(|b| + |g|·|z|) added to ``ulp``
   ratio_k      baseline ratio: err(impl) <= ratio_k·err(naive same-precision) + floor
-  floor_repr   the floor in units of the case's representation noise: the relative L2 error of the
-               exact output rounded once to the dtype (no implementation returning it does better)
-  cond_k       K in the term K·u(fp32)·κ added to rel_l2 / the floor, where κ = max_i (||W_i||² +
-               2|s·<W_i,(BA)_i>| + s²·||(BA)_i||²) / n_i² measures how much W cancels s·B·A. The
-               factored norm's n² carries about u(fp32)·κ relative error (a dense fp32 norm about
-               u·sqrt(κ)): an a-priori bound, not a fudge.
+  floor_repr   the floor in units of the case's representation noise: the relative L2 error of the exact
+               output rounded once to the dtype (no implementation returning it does better)
+  cond_k       K in the term K·u(fp32)·κ added to rel_l2 / the floor; κ = max_i (||W_i||² + 2|s·<W_i,(BA)_i>|
+               + s²·||(BA)_i||²) / n_i² measures how much W cancels s·B·A. The factored norm's n² carries
+               about u(fp32)·κ relative error (a dense fp32 norm u·sqrt(κ)): an a-priori bound, not a fudge.
 """
 
 from __future__ import annotations
@@ -68,38 +65,35 @@ class Budget:
 def _default_rows() -> list[Budget]:
     rows: list[Budget] = []
     for dt in DTYPES:
-        # forward: base and lora GEMM outputs rounded to dt, then the compose: 3 roundings of at most
-        # u, 4u with one to spare; fp32 is dominated by the K-term accumulations, whose random-walk
-        # size sqrt(K)·u stays below 64u up to K = 4096 (the suite's problems have K <= 257).
+        # forward: base and lora GEMM outputs rounded to dt, then the compose: 3 roundings of at most u, 4u
+        # with one to spare; fp32 is dominated by the K-term accumulations, random-walk size sqrt(K)·u, below
+        # 64u up to K = 4096 (the suite's problems have K <= 257).
         mult = 64.0 if dt == "fp32" else 4.0
         rows.append(Budget("forward", "y", dt, "*", f"a-priori bound: {mult:g}·u({dt})·ρ_y + 16·u(fp32)·κ", rel_l2=mult * u(dt), cond_k=16.0))
-        # backward: one or two chained GEMMs on operands rounded to dt (dz = g⊙dy, dz·B, xa): 3-4
-        # roundings of at most u, 8u; fp32 128u (accumulation, as above).
+        # backward: one or two chained GEMMs on operands rounded to dt (dz = g⊙dy, dz·B, xa): 3-4 roundings of
+        # at most u, 8u; fp32 128u (accumulation, as above).
         bmult = 128.0 if dt == "fp32" else 8.0
         for out in ("dx", "dA", "dB", "dm", "db"):
             rows.append(Budget("backward", out, dt, "*", f"a-priori bound: {bmult:g}·u({dt})·ρ_{out} + 16·u(fp32)·κ", rel_l2=bmult * u(dt), cond_k=16.0))
-        # baseline ratio: at most twice the naive same-precision error, plus one rounding of the
-        # exact output to dt (the floor where the naive computation happens to be exact).
+        # baseline ratio: at most twice the naive same-precision error, plus one rounding of the exact output
+        # to dt (the floor where the naive computation happens to be exact).
         for op, outs in (("ratio_forward", ("y",)), ("ratio_backward", ("dx", "dA", "dB", "dm", "db"))):
             for out in outs:
                 note = f"baseline ratio: k = 2, floor = 1 x representation noise in {dt} + 16·u(fp32)·κ"
                 rows.append(Budget(op, out, dt, "*", note, ratio_k=2.0, floor_repr=1.0, cond_k=16.0))
-        # compose near g = 1 on exactly representable intermediates: correctly rounded (0.5
-        # ulp) plus an fp32-sized term, 8·u(fp32)·(|b| + |g|·|z|), for g and the fp32 sums.
+        # compose near g = 1, exact intermediates: 0.5 ulp plus 8·u(fp32)·(|b| + |g|·|z|) for g and fp32 sums.
         rows.append(Budget("compose", "y", dt, "*", "design: 0.5 ulp + 8·u(fp32)·(|b| + |g||z|)", ulp=0.5, fp32_terms=8.0))
-        # merge: W' = g ⊙ (W + s·B·A) rounded once to W's dtype, so x·W'ᵀ is off by that rounding
-        # (u per element, RMS u/sqrt(3)) plus the forward's own: 8u; unmerge rounds W'/g - s·B·A
-        # once more: 4u of W.
+        # merge: W' = g ⊙ (W + s·B·A) rounded once to W's dtype, so x·W'ᵀ is off by that rounding (u per
+        # element, RMS u/sqrt(3)) plus the forward's own: 8u; unmerge rounds W'/g - s·B·A once more: 4u of W.
         rows.append(Budget("merge", "y", dt, "*", f"default: 8·u({dt})", rel_l2=8 * u(dt)))
         rows.append(Budget("unmerge", "weight", dt, "*", f"default: 4·u({dt})", rel_l2=4 * u(dt)))
-    # norm and its terms: fp32 accumulation whatever the weight dtype (inputs are quantized),
-    # K = d_in + r terms: 64·u(fp32) relative to the magnitude sum base + 2s|cross| + s²·lora.
+    # norm and its terms: fp32 accumulation whatever the weight dtype (inputs are quantized), K = d_in + r
+    # terms: 64·u(fp32) relative to the magnitude sum base + 2s|cross| + s²·lora.
     for dt in ("fp32", "fp16"):
         rows.append(Budget("norm", "norm", dt, "*", "default: 64·u(fp32) (fp32 accumulation)", rel_l2=64 * u("fp32")))
         rows.append(Budget("norm_terms", "terms", dt, "*", "default: 64·u(fp32) of the magnitude sum", rel_l2=64 * u("fp32")))
-    # bf16 weights with fp32 adapters (PEFT's default): the Triton U = W·Aᵀ runs on bf16
-    # tensor cores with A split into two bf16 halves, so A keeps 16 of its 24 bits: 2⁻¹⁷
-    # relative per product, up to 2⁻¹⁶ on a cross-dominated n². 256x below a bf16 ulp.
+    # bf16 weights, fp32 adapters (PEFT's default): Triton's U = W·Aᵀ uses bf16 tensor cores; A split in two
+    # bf16 halves keeps 16 of 24 bits: 2⁻¹⁷ per product, up to 2⁻¹⁶ on a cross-dominated n², 256x < bf16 ulp.
     note = "default: 256·u(fp32) = 2^-16 (bf16 hi+lo split of fp32 A)"
     rows.append(Budget("norm", "norm", "bf16", "*", note, rel_l2=256 * u("fp32")))
     rows.append(Budget("norm_terms", "terms", "bf16", "*", note, rel_l2=256 * u("fp32")))

@@ -1,10 +1,9 @@
 """How tight the budgets are on this device: measured error against each bound.
 
-``calibrate(impl, dtypes, cases, device)`` runs ``cases`` random problems per dtype (kinds mixed,
-cancellation excluded from the oracle distances as in the suite) and records, per (op, output,
-dtype), the largest error relative to its bound (oracle-distance and baseline-ratio rows) and the
-worst case. Near 1: the bound is close to what this machine does; far below 1: it is loose (to be
-tightened from its derivation, never from these numbers). Nothing is proposed or written."""
+``calibrate(impl, dtypes, cases, device)`` runs ``cases`` random problems per dtype (kinds mixed, cancellation
+excluded from the oracle distances as in the suite) and records per (op, output, dtype) the largest error
+relative to its bound and the worst case. Near 1: the bound is close to what this machine does; far below 1:
+loose (to tighten from its derivation, never from these numbers). Nothing is proposed or written."""
 
 from __future__ import annotations
 

@@ -1,31 +1,24 @@
-"""PEFT 0.21's own DoRA layer behind ``doracheck.dora_linear``'s signature, so ``doracheck verify
---impl peft`` judges PEFT by the same properties and budgets. It runs PEFT's code, not a re-implementation:
+"""PEFT 0.21's own DoRA layer behind ``doracheck.dora_linear``'s signature, so ``doracheck verify --impl
+peft`` judges PEFT by the same properties and budgets. It runs PEFT's code, not a re-implementation:
 
 * a ``peft.tuners.lora.layer.Linear`` with ``use_dora=True`` (its adapter goes through
-  ``peft.tuners.lora.variants.DoraLinearVariant`` and ``peft.tuners.lora.dora.DoraLinearLayer``) is
-  built once per (d_in, d_out, r, dtypes, bias or not, device) on the meta device (no memory, no
-  initialisation cost) and kept in a small cache;
-* each call runs it through ``torch.func.functional_call`` with the caller's tensors in place of
-  its parameters (``base_layer.weight``, ``base_layer.bias``, ``lora_A.default.weight``,
-  ``lora_B.default.weight``, ``lora_magnitude_vector.default.weight``), so gradients reach them;
-  ``module.scaling["default"]`` (PEFT's factor on the LoRA branch) is set to ``scaling`` per call;
-* ``fan_in_fan_out=True``: the (d_in, d_out) weight's transpose (a view: the gradient still reaches
-  the caller's tensor) is the nn.Linear weight, instead of a transformers ``Conv1D``; PEFT's own
-  fan_in_fan_out handling only transposes, so this is the same function;
-* dropout (``training and dropout_p > 0``): ``lora_dropout["default"]`` becomes a module computing
-  ``x·keep/(1-p)`` with the given (or a freshly drawn) 0/1 keep-mask, in train mode, because
-  ``DoraLinearVariant.forward`` takes its dropout branch (recomputing ``x_d·Wᵀ``) only when the
-  dropout module is not ``nn.Identity`` and the layer is training; otherwise ``nn.Identity``, eval;
-* PEFT's DoRA cache (``peft.tuners.lora.dora.ENABLE_DORA_CACHING``, off by default; when on it keeps
-  an eval-mode layer's weight norm and B·A between calls) is cleared before and after every call,
-  so a value computed from another call's tensors is never served.
+  ``lora.variants.DoraLinearVariant`` and ``lora.dora.DoraLinearLayer``), built once per (d_in, d_out, r,
+  dtypes, bias or not, device) on the meta device (no memory, no init cost) and cached;
+* each call runs it through ``torch.func.functional_call``, the caller's tensors in place of its parameters
+  (``base_layer.weight``, ``base_layer.bias``, ``{lora_A,lora_B,lora_magnitude_vector}.default.weight``), so
+  gradients reach them; ``module.scaling["default"]`` (PEFT's LoRA-branch factor) is ``scaling``;
+* ``fan_in_fan_out=True``: the weight's transpose (a view: the gradient still reaches the caller's tensor) is
+  the nn.Linear weight, not a transformers ``Conv1D``; PEFT's own handling only transposes: same function;
+* dropout (``training and dropout_p > 0``): ``lora_dropout["default"]`` computes ``x·keep/(1-p)`` with the
+  given (or a fresh) 0/1 keep-mask, in train mode, as ``DoraLinearVariant.forward`` takes its dropout branch
+  (recomputing ``x_d·Wᵀ``) only for a non-``nn.Identity`` dropout while training; else ``nn.Identity``, eval;
+* PEFT's DoRA cache (``peft.tuners.lora.dora.ENABLE_DORA_CACHING``, off by default; it keeps an eval-mode
+  layer's norm and B·A between calls) is cleared around every call: no value of another call's is served.
 
-Nothing of PEFT's numerics is hidden: tensors go in the dtypes given (PEFT runs the base layer in
-x's dtype and casts x to lora_A's dtype for the adapter branch), and the result is PEFT's, in its
-dtype. PEFT divides by the row norm without a clamp (a zero row of W + s·B·A gives NaN for that
-feature, doracheck 0) and always detaches the norm (DoRA paper section 4.3), so
-``detach_norm=False`` raises ``Unsupported``; so does a missing peft.
-"""
+Nothing of PEFT's numerics is hidden: tensors go in the dtypes given (PEFT runs the base layer in x's dtype
+and casts x to lora_A's dtype for the adapter branch); the result is PEFT's, in its dtype: the row norm
+unclamped (a zero row gives NaN, doracheck 0) and always detached (DoRA paper section 4.3), so
+``detach_norm=False`` raises ``Unsupported``, as does a missing peft."""
 
 from __future__ import annotations
 
@@ -43,8 +36,8 @@ _lock = threading.Lock()
 
 
 class _KeepMaskDropout(nn.Module):
-    """PEFT's ``lora_dropout[adapter]`` stand-in: ``x·keep/(1-p)`` with a fixed 0/1 keep-mask; not
-    an ``nn.Identity``, so PEFT's DoRA takes its dropout branch when the layer is training."""
+    """``lora_dropout[adapter]`` stand-in: ``x·keep/(1-p)``, fixed 0/1 keep-mask; not an ``nn.Identity``, so
+    PEFT's DoRA takes its dropout branch when the layer is training."""
 
     def __init__(self, keep: torch.Tensor, p: float):
         super().__init__()
@@ -64,11 +57,9 @@ def _import_peft():
     return LoraConfig, PeftLoraLinear
 
 
-def _peft_module(
-    d_in: int, d_out: int, r: int, base_dtype, adapter_dtype, magnitude_dtype, has_bias: bool, device
-):
-    """The cached PEFT DoRA Linear for one problem signature, built on the meta device (its
-    parameters are placeholders: every call substitutes all of them)."""
+def _peft_module(d_in: int, d_out: int, r: int, base_dtype, adapter_dtype, magnitude_dtype, has_bias: bool,
+                 device):
+    """The cached PEFT DoRA Linear of a problem signature, on the meta device (calls swap tensors in)."""
     key = (d_in, d_out, r, base_dtype, adapter_dtype, magnitude_dtype, has_bias, str(device))
     module = _cache.get(key)
     if module is not None:
@@ -89,20 +80,14 @@ def _peft_module(
 def _check_shapes(x, weight, lora_A, lora_B, magnitude, bias, fan_in_fan_out: bool, dropout_p: float):
     """(d_in, d_out, r), or ValueError naming the first inconsistent argument."""
     for name, t in (
-        ("x", x),
-        ("weight", weight),
-        ("lora_A", lora_A),
-        ("lora_B", lora_B),
-        ("magnitude", magnitude),
+        ("x", x), ("weight", weight), ("lora_A", lora_A), ("lora_B", lora_B), ("magnitude", magnitude),
     ):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise ValueError(
-                f"{name}: expected a floating torch.Tensor, got {getattr(t, 'dtype', type(t).__name__)}"
-            )
+                f"{name}: expected a floating torch.Tensor, got {getattr(t, 'dtype', type(t).__name__)}")
     if weight.dim() != 2 or lora_A.dim() != 2:
         raise ValueError(
-            f"weight and lora_A must be 2-D, got {tuple(weight.shape)} and {tuple(lora_A.shape)}"
-        )
+            f"weight and lora_A must be 2-D, got {tuple(weight.shape)} and {tuple(lora_A.shape)}")
     d_out, d_in = (weight.shape[1], weight.shape[0]) if fan_in_fan_out else tuple(weight.shape)
     r = lora_A.shape[0]
     expected = {"lora_A": (r, d_in), "lora_B": (d_out, r), "magnitude": (d_out,)}
@@ -119,8 +104,7 @@ def _check_shapes(x, weight, lora_A, lora_B, magnitude, bias, fan_in_fan_out: bo
 
 
 def _dropout_module(x: torch.Tensor, dropout_p: float, dropout_mask: torch.Tensor | None) -> nn.Module:
-    """``lora_dropout[adapter]``'s stand-in when dropout is active: the given keep-mask, or one
-    drawn with ``torch.bernoulli`` (keep probability 1 - p) in x's shape."""
+    """The active dropout's stand-in: the given keep-mask, or one drawn (``torch.bernoulli``, keep 1 - p)."""
     if dropout_mask is None:
         keep = torch.bernoulli(torch.full(x.shape, 1.0 - dropout_p, device=x.device))
     else:
@@ -132,10 +116,8 @@ def _substituted_params(weight, lora_A, lora_B, magnitude, bias, fan_in_fan_out:
     """The caller's tensors under PEFT's parameter names, for ``torch.func.functional_call``."""
     base_weight = weight.t() if fan_in_fan_out else weight  # nn.Linear layout (d_out, d_in), a view
     params = {
-        "base_layer.weight": base_weight,
-        f"lora_A.{ADAPTER}.weight": lora_A,
-        f"lora_B.{ADAPTER}.weight": lora_B,
-        f"lora_magnitude_vector.{ADAPTER}.weight": magnitude,
+        "base_layer.weight": base_weight, f"lora_A.{ADAPTER}.weight": lora_A,
+        f"lora_B.{ADAPTER}.weight": lora_B, f"lora_magnitude_vector.{ADAPTER}.weight": magnitude,
     }
     if bias is not None:
         params["base_layer.bias"] = bias
@@ -143,29 +125,17 @@ def _substituted_params(weight, lora_A, lora_B, magnitude, bias, fan_in_fan_out:
 
 
 def peft_dora_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    magnitude: torch.Tensor,
-    scaling: float,
-    bias: torch.Tensor | None = None,
-    *,
-    dropout_p: float = 0.0,
-    training: bool = False,
-    detach_norm: bool = True,
-    fan_in_fan_out: bool = False,
+    x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor,
+    magnitude: torch.Tensor, scaling: float, bias: torch.Tensor | None = None, *, dropout_p: float = 0.0,
+    training: bool = False, detach_norm: bool = True, fan_in_fan_out: bool = False,
     dropout_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The DoRA linear layer computed by PEFT 0.21's ``lora.Linear`` with ``use_dora=True``.
-
-    Same signature and semantics as ``doracheck.dora_linear``: ``y = x·Wᵀ + b + (g-1)⊙(x_d·Wᵀ) +
-    g⊙s⊙(x_d·Aᵀ)·Bᵀ``, ``g = m / ||W + s·B·A||`` (row norm, detached), x_d = x·keep/(1-p) when
-    ``training and dropout_p > 0`` and x otherwise; differentiable in x, weight, lora_A, lora_B,
-    magnitude and bias. No clamp: a zero row of W + s·B·A gives NaN for that feature. The result
-    has PEFT's dtype (the base layer's output's, i.e. x's).
-
-    Args: as ``doracheck.dora_linear``'s (a missing ``dropout_mask`` is drawn with ``torch.bernoulli``).
+    """The DoRA linear layer computed by PEFT 0.21's ``lora.Linear`` with ``use_dora=True``, with
+    ``doracheck.dora_linear``'s signature and semantics (a missing ``dropout_mask`` is drawn with
+    ``torch.bernoulli``): ``y = x·Wᵀ + b + (g-1)⊙(x_d·Wᵀ) + g⊙s⊙(x_d·Aᵀ)·Bᵀ``, ``g = m / ||W + s·B·A||``
+    (row norm, detached), x_d = x·keep/(1-p) when ``training and dropout_p > 0``, else x; differentiable in
+    x, weight, lora_A, lora_B, magnitude and bias. No clamp: a zero row of W + s·B·A gives NaN there. The
+    result has PEFT's dtype (the base layer's output's, i.e. x's).
 
     Raises:
         Unsupported: ``detach_norm=False`` (PEFT always detaches the norm), or peft missing.
@@ -173,20 +143,16 @@ def peft_dora_linear(
     """
     _import_peft()
     if not detach_norm:
-        raise Unsupported(
-            "PEFT's DoRA always detaches the weight norm (DoRA paper section 4.3); "
-            "detach_norm=False has no PEFT equivalent"
-        )
-    d_in, d_out, r = _check_shapes(
-        x, weight, lora_A, lora_B, magnitude, bias, fan_in_fan_out, float(dropout_p)
-    )
+        raise Unsupported("PEFT's DoRA always detaches the weight norm (DoRA paper section 4.3); "
+                          "detach_norm=False has no PEFT equivalent")
+    d_in, d_out, r = _check_shapes(x, weight, lora_A, lora_B, magnitude, bias, fan_in_fan_out,
+                                   float(dropout_p))
     dropout_active = bool(training) and dropout_p > 0.0
     dropout = _dropout_module(x, float(dropout_p), dropout_mask) if dropout_active else nn.Identity()
     params = _substituted_params(weight, lora_A, lora_B, magnitude, bias, fan_in_fan_out)
     with _lock:
-        module = _peft_module(
-            d_in, d_out, r, weight.dtype, lora_A.dtype, magnitude.dtype, bias is not None, x.device
-        )
+        module = _peft_module(d_in, d_out, r, weight.dtype, lora_A.dtype, magnitude.dtype, bias is not None,
+                              x.device)
         dora_layer = module.lora_magnitude_vector[ADAPTER]
         module.scaling[ADAPTER] = float(scaling)
         module.lora_dropout[ADAPTER] = dropout

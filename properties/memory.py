@@ -1,13 +1,11 @@
 """Measure the peak tensor memory a function allocates, on any device (CPU included).
 
-CPU torch keeps no allocator statistics, so this counts at the ATen level: a ``TorchDispatchMode``
-sees every op, records each output's storage that is new (not an input's, not already tracked) and
-holds a weak reference to that *storage* (``StorageWeakRef``: it expires when the last tensor or
-view using it dies, not with one Python tensor object). After every op, once its outputs exist
-(when usage peaks), expired storages are dropped and the live bytes summed; the peak is the
-largest such sum. It sees every tensor an ATen op produces while active, temporaries included,
-views once (they share a storage); not scratch memory inside one kernel (e.g. a BLAS packing
-buffer) nor tensors created before the call (the inputs)."""
+CPU torch keeps no allocator statistics, so this counts at the ATen level: a ``TorchDispatchMode`` sees every
+op, records each new output storage (not an input's, not tracked yet) and holds a weak reference to that
+*storage* (``StorageWeakRef``: it expires when the last tensor or view using it dies, not with one Python
+tensor object). After every op, once its outputs exist (when usage peaks), expired storages are dropped and
+the live bytes summed; the peak is the largest sum. It sees every tensor an ATen op makes while active,
+temporaries included, views once; not scratch inside a kernel (BLAS packing) nor the inputs."""
 
 from __future__ import annotations
 

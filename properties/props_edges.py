@@ -1,5 +1,4 @@
-"""The module, edge-case and cache properties: 7 merge_unmerge, 8 determinism_edges, 9 no_stale_cache
-(each stated in ``props``' list)."""
+"""Properties 7 merge_unmerge, 8 determinism_edges, 9 no_stale_cache (module, edges, cache; see ``props``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The norm and compose properties: 1 three_term_identity, 2 norm_memory, 3 compose_near_one (each
-stated in ``props``' list; ``compose_problem`` builds the compose's exact-intermediate problems,
-``compose_error_ulps`` measures)."""
+"""The norm and compose properties: 1 three_term_identity, 2 norm_memory, 3 compose_near_one (stated in
+``props``' list); ``compose_problem`` builds exact-intermediate problems, ``compose_error_ulps`` measures."""
 
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ def three_term_identity(impl: Implementation, problems: list[Problem], family: s
         scale = exact.base + 2 * abs(s) * exact.cross.abs() + s * s * exact.lora
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         errs = [
-            ((base - exact.base).abs() / scale).max(),
-            ((2 * s * (cross - exact.cross)).abs() / scale).max(),
+            ((base - exact.base).abs() / scale).max(), ((2 * s * (cross - exact.cross)).abs() / scale).max(),
             ((s * s * (lora - exact.lora)).abs() / scale).max(),
             ((norm * norm - exact.norm * exact.norm).abs() / scale).max(),
         ]
@@ -65,9 +63,8 @@ def three_term_identity(impl: Implementation, problems: list[Problem], family: s
 
 # 2 ---------------------------------------------------------------------------------------
 def norm_memory(impl: Implementation, dtype: torch.dtype, family: str, device="cpu", bound: Callable | None = None) -> list[CheckResult]:
-    """Peak extra memory of the norm (``memory.peak_extra_bytes``) within the implementation's
-    declared bound and below a quarter of a dense fp32 d_out × d_in temporary; 4096 × 8192, r = 16.
-    n/a under the Triton interpreter, which copies tensors into numpy."""
+    """Peak extra memory of the norm (``memory.peak_extra_bytes``) within the implementation's declared
+    bound and below a quarter of a dense fp32 d_out × d_in temporary; 4096 × 8192, r = 16."""
     from .memory import peak_extra_bytes
 
     dt = _dtype_name(dtype)
@@ -81,9 +78,8 @@ def norm_memory(impl: Implementation, dtype: torch.dtype, family: str, device="c
     A = torch.randn(r, d_in, generator=gen).to(device=device, dtype=dtype)
     B = torch.randn(d_out, r, generator=gen).to(device=device, dtype=dtype)
     norm_fn = impl.factored_norm
-    # One call first: what a process's first call sets up (kernel compilation, the cuBLAS handle and
-    # its 32 MiB workspace on Hopper) is process state, not the norm's memory, and would make the
-    # verdict depend on which property a process runs first (pytest -n auto).
+    # Warm-up call: first-call setup (kernel compilation, cuBLAS handle + 32 MiB workspace on Hopper) is
+    # process state, not the norm's; counted, the verdict would hinge on which property ran first (-n auto).
     norm_fn(W, A, B, 2.0)
     peak = peak_extra_bytes(lambda: norm_fn(W, A, B, 2.0), device)
     dense = 4 * d_out * d_in
@@ -93,9 +89,8 @@ def norm_memory(impl: Implementation, dtype: torch.dtype, family: str, device="c
 
 # 3 ---------------------------------------------------------------------------------------
 def compose_problem(dtype: torch.dtype, d_out: int = 64, d_in: int = 32, seed: int = 0, device="cpu") -> Problem:
-    """A problem whose GEMM outputs are exact in any dtype: one-hot x rows, r = 1, A's entries powers
-    of two, s = 2; so x·Wᵀ = W[:, j] and s·(x·Aᵀ)·Bᵀ = 2·A_j·B exactly and only the compose rounds.
-    g = 1 + δ, |δ| log-uniform over [1e-7, 1e-1]."""
+    """GEMM outputs exact in any dtype: one-hot x rows, r = 1, A's entries powers of two, s = 2, so x·Wᵀ =
+    W[:, j] and s·(x·Aᵀ)·Bᵀ = 2·A_j·B: only the compose rounds. g = 1 + δ, |δ| log-uniform in [1e-7, 1e-1]."""
     gen = torch.Generator().manual_seed(seed)
     W = (torch.randn(d_out, d_in, generator=gen) / d_in**0.5).to(dtype)
     B = (torch.randn(d_out, 1, generator=gen) * 0.5).to(dtype)

@@ -4,18 +4,15 @@
     pytest --doracheck-impl MODULE:CALLABLE [--doracheck-profile quick|full]
            [--doracheck-dtype bf16,fp16,fp32] [--doracheck-variant NAME] [-n auto] [-k compose]
 
-collects one test item per property group × dtype, ``test_doracheck[compose.near_one-bf16]``, from
-the suite code ``doracheck verify`` runs (``suite.suite_items``). A failing item's message is
-verify's diagnostics (worst error, budget, margin, the worst case and its conditioning); an item
-whose properties are all n/a is a skip with the reason; an implementation that cannot be imported
-is a collection error. Under pytest-xdist each worker is pinned to one GPU
-(``gpu_workers.gpu_for_worker``) and budgets resolve by the worker's device; the problems come from
-fixed seeds (no hypothesis), so every worker builds the same items and one GPU or two give the same
-verdicts. ``--doracheck-impl`` takes verify's ``--impl`` specs (``implementations.resolve``).
-
-Items join the session in ``pytest_collection_modifyitems`` (first among its hooks), so ``-k``,
-``-m``, ``--deselect``, ``--lf`` and xdist apply; select one by ``-k`` (it has no file to name).
-"""
+collects one test item per property group × dtype, ``test_doracheck[compose.near_one-bf16]``, from the suite
+code ``doracheck verify`` runs (``suite.suite_items``), with verify's ``--impl`` specs
+(``implementations.resolve``). A failing item's message is verify's diagnostics (worst error, budget, margin,
+the worst case and its conditioning); an item whose properties are all n/a is a skip with the reason; an
+unimportable implementation is a collection error. Under pytest-xdist each worker is pinned to one GPU
+(``gpu_workers.gpu_for_worker``) and budgets resolve by its device; problems come from fixed seeds (no
+hypothesis), so every worker builds the same items and one GPU or two give the same verdicts. Items join the
+session in ``pytest_collection_modifyitems`` (first among its hooks), so ``-k``, ``-m``, ``--deselect``,
+``--lf`` and xdist apply; select one by ``-k`` (it has no file to name)."""
 
 from __future__ import annotations
 
@@ -70,8 +67,7 @@ def _device() -> str:
 
 
 class DoracheckSuite(pytest.Collector):
-    """The suite's items for one implementation, resolved here: an import failure is this
-    collector's collection error."""
+    """The suite's items for one implementation, resolved here (an import failure: this collector's error)."""
 
     def collect(self):
         from .implementations import ImplementationError, resolve

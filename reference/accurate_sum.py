@@ -1,14 +1,11 @@
-"""Error-free transformations in float64, vectorised with torch.
-
-They make the fp64 oracle accurate to about one fp64 ulp even where the terms of a sum cancel (a
-row where W nearly cancels s·B·A), which a plain float64 sum is not: its error is u·Σ|terms|, not
-u·|Σ terms|. Only float64 tensors; no code here is shared with the implementations under test.
+"""Error-free transformations in float64, vectorised with torch: they keep the fp64 oracle within about one
+fp64 ulp even where a sum's terms cancel (W nearly cancelling s·B·A), where a plain float64 sum errs by
+u·Σ|terms|, not u·|Σ terms|. Float64 only; no code shared with the implementations under test.
 
 - ``two_sum(a, b)``  -> (s, e) with s = fl(a + b) and a + b = s + e exactly (Knuth).
-- ``two_prod(a, b)`` -> (p, e) with p = fl(a·b) and a·b = p + e exactly (Dekker/Veltkamp, valid
-  while |a|, |b| < 2**996, far beyond any weight).
-- ``CompensatedSum`` accumulates terms with ``two_sum`` and sums the rounding errors separately
-  (Ogita-Rump-Oishi Sum2): |result - Σ| <= u·|Σ| + γ²_n·Σ|terms|."""
+- ``two_prod(a, b)`` -> (p, e) with p = fl(a·b) and a·b = p + e exactly (Dekker/Veltkamp, |a|, |b| < 2**996).
+- ``CompensatedSum`` accumulates terms with ``two_sum`` and sums the rounding errors apart (Ogita-Rump-Oishi
+  Sum2): |result - Σ| <= u·|Σ| + γ²_n·Σ|terms|."""
 
 from __future__ import annotations
 
@@ -42,8 +39,8 @@ def two_prod(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 class CompensatedSum:
-    """Running Sum2: ``add`` terms (tensors of one shape), then ``value()``: the exact sum with error
-    at most about one ulp plus γ²_n·Σ|terms|, as if summed in twice the working precision."""
+    """Running Sum2: ``add`` terms (one shape), then ``value()``: the sum within about one ulp plus
+    γ²_n·Σ|terms|, as if summed in twice the working precision."""
 
     def __init__(self, like: torch.Tensor):
         self.total = torch.zeros_like(like, dtype=torch.float64)
@@ -68,11 +65,9 @@ class CompensatedSum:
 
 
 def accurate_sum_last_dim(hi_terms: torch.Tensor, lo_terms: torch.Tensor | None = None) -> tuple[
-    torch.Tensor, torch.Tensor
-]:
-    """Sum float64 terms along the last dimension with a pairwise tree of ``two_sum`` (log2(K)
-    levels, no Python loop over K); ``lo_terms`` (same shape, optional) are small corrections added
-    to the error sum. Returns (hi, lo) as a double-double."""
+    torch.Tensor, torch.Tensor]:
+    """Double-double (hi, lo) sum of float64 terms along the last dim: a pairwise ``two_sum`` tree (log2(K)
+    levels, no loop over K); optional ``lo_terms`` (same shape, small corrections) join the error sum."""
     errors = torch.zeros(hi_terms.shape[:-1], dtype=torch.float64, device=hi_terms.device)
     if lo_terms is not None:
         errors = errors + lo_terms.sum(dim=-1)
@@ -103,8 +98,7 @@ def product_terms(
 
 
 def sqrt_double_double(hi: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """sqrt(hi + lo) as a double-double (root, correction): one Newton step from sqrt(hi)
-    with the exactly computed residual (hi + lo - root²)."""
+    """sqrt(hi + lo) as a double-double: a Newton step from sqrt(hi), exact residual hi + lo - root²."""
     root = torch.sqrt(hi)
     safe = torch.where(root > 0, root, torch.ones_like(root))
     p, e = two_prod(root, root)
@@ -114,8 +108,7 @@ def sqrt_double_double(hi: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor
 
 
 def divide_double_double(num: torch.Tensor, den_hi: torch.Tensor, den_lo: torch.Tensor) -> tuple[
-    torch.Tensor, torch.Tensor
-]:
+    torch.Tensor, torch.Tensor]:
     """num / (den_hi + den_lo) as a double-double (q, correction), den_hi != 0."""
     q = num / den_hi
     p, e = two_prod(q, den_hi)

@@ -1,8 +1,6 @@
-"""Naive same-precision baselines: what an eager implementation computes in the input dtype.
-
-The other half of the baseline-ratio check (docs/design.md section 3), and witnesses that the stable
-compose matters: near g ≈ 1 the naive low-precision compose loses the magnitude (``g`` rounds to 1
-in bf16 when |g - 1| < 2**-9)."""
+"""Naive same-precision baselines: what an eager implementation computes in the input dtype. The other
+half of the baseline-ratio check (docs/design.md section 3), and witnesses that the stable compose matters:
+near g ≈ 1 the naive 16-bit compose loses the magnitude (g rounds to 1 in bf16 when |g - 1| < 2**-9)."""
 
 from __future__ import annotations
 
@@ -14,18 +12,9 @@ def _rows(weight: torch.Tensor, fan_in_fan_out: bool) -> torch.Tensor:
 
 
 def peft_style_dora(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    magnitude: torch.Tensor,
-    scaling: float,
-    bias: torch.Tensor | None = None,
-    *,
-    dropout_p: float = 0.0,
-    training: bool = False,
-    detach_norm: bool = True,
-    fan_in_fan_out: bool = False,
+    x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor,
+    magnitude: torch.Tensor, scaling: float, bias: torch.Tensor | None = None, *, dropout_p: float = 0.0,
+    training: bool = False, detach_norm: bool = True, fan_in_fan_out: bool = False,
     dropout_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PEFT 0.21's DoRA forward with every tensor first cast to x.dtype (``dora_linear``'s signature):

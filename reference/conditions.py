@@ -1,21 +1,17 @@
-"""How much rounding an output of DoRA can amplify: the condition ρ of each output (all float64,
-sharing no code with the implementations judged).
+"""How much rounding each DoRA output can amplify: its condition ρ (float64, independent of what it judges).
 
-The oracle-distance budget of an output is (number of roundings)·u·ρ: a rounding to the activation
-dtype costs an intermediate at most u of its magnitude, and that error reaches the output through
-the products that follow. Two kinds of magnitude enter ρ:
-- the rounded intermediates themselves (|x·Wᵀ|, |s·(x·Aᵀ)·Bᵀ|, |dz·W|, ...): a GEMM output is
-  rounded once;
-- the products that carry a rounded operand on: an error δ_k ≤ u·|a_k| in each of K terms a_k·b_k
-  sums, under the usual model of independent rounding errors (Higham & Mary 2019, probabilistic
-  rounding error analysis), to about u·sqrt(Σ_k a_k²·b_k²) (``rss``), where the worst case
-  u·Σ|a_k||b_k| grows with K and says nothing at K = 8192.
+An output's oracle-distance budget is (number of roundings)·u·ρ: a rounding to the activation dtype costs an
+intermediate at most u of its magnitude, and that error reaches the output through the products that follow.
+Two kinds of magnitude enter ρ: the rounded intermediates (|x·Wᵀ|, |s·(x·Aᵀ)·Bᵀ|, |dz·W|, ...; a GEMM output
+is rounded once), and the products carrying a rounded operand on: an error δ_k ≤ u·|a_k| in each of K terms
+a_k·b_k sums, under independent rounding errors (Higham & Mary 2019, probabilistic rounding error analysis),
+to about u·sqrt(Σ_k a_k²·b_k²) (``rss``); the worst case u·Σ|a_k||b_k| grows with K, void at K = 8192.
 
     ρ(out) = || Σ of those magnitudes || / || out ||     (>= 1)
 
-ρ = 1 where nothing cancels; it grows where terms of opposite sign cancel (base against s·lora when
-the adapter is large, the token sums of the magnitude gradient under a zero-mean dy). Without
-dropout, detached norm (PEFT's default), for upstream dy, with z = x·Wᵀ + s·(x·Aᵀ)·Bᵀ:
+ρ = 1 where nothing cancels; it grows where terms of opposite sign cancel (base against s·lora when the
+adapter is large, the token sums of the magnitude gradient under a zero-mean dy). Without dropout, detached
+norm (PEFT's default), for upstream dy, with z = x·Wᵀ + s·(x·Aᵀ)·Bᵀ:
 
     y  = g⊙z + b            |g|⊙(|x·Wᵀ| + |s·lora| + rss(x, Wᵀ) + |s|·rss(x·Aᵀ, Bᵀ)) + |b|
     dx = dz·W + s·(dz·B)·A   |dz·W| + |s·(dz·B)·A| + rss(dz, W) + |s|·rss(dz·B, A)
@@ -46,8 +42,7 @@ def _rss(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def output_conditions(x, weight, lora_A, lora_B, magnitude, scaling, bias=None, dy=None, *, fan_in_fan_out=False) -> dict[str, float]:
-    """{"y", "dx", "dA", "dB", "dm", "db"} -> ρ (>= 1) for these inputs and upstream ``dy``
-    (the gradients only when ``dy`` is given)."""
+    """{"y", "dx", "dA", "dB", "dm", "db"} -> ρ (>= 1) for these inputs and upstream ``dy`` (for grads)."""
     with torch.no_grad():
         W = (weight.t() if fan_in_fan_out else weight).double()
         A, B, m = lora_A.double(), lora_B.double(), magnitude.double()

@@ -1,12 +1,10 @@
 """Error metrics: ulp distances via integer bit views, relative L2, a-priori GEMM bounds.
 
-- ``ulp_distance(a, b)``: how many representable numbers of their (common) dtype lie between a and
-  b, from the bit patterns: NaN-aware (NaN vs NaN is 0, NaN vs a number is ``NAN_DISTANCE``),
-  across zero (+0 and -0 are the same point), Inf is the number after the largest finite value.
-- ``ulp_error(actual, exact)``: |actual - exact| in ulps of ``exact`` in actual's dtype, real
-  valued, so "within 0.5 ulp" is a statement it can check.
-- ``rel_l2``; ``gamma(k, u) = k·u / (1 - k·u)`` and ``dot_error_bound`` (Higham 3.1):
-  |fl(x·y) - x·y| <= γ_K·Σ|x_i·y_i| for an fp32-accumulated dot of length K."""
+- ``ulp_distance(a, b)``: how many numbers of their common dtype lie between a and b, from the bit patterns
+  (NaN vs NaN 0, NaN vs a number ``NAN_DISTANCE``; +0 = -0; Inf follows the largest finite value).
+- ``ulp_error(actual, exact)``: |actual - exact| in ulps of ``exact`` in actual's dtype, real valued, so
+  "within 0.5 ulp" is checkable; ``rel_l2``; ``gamma(k, u) = k·u / (1 - k·u)`` and ``dot_error_bound``
+  (Higham 3.1): |fl(x·y) - x·y| <= γ_K·Σ|x_i·y_i| for an fp32-accumulated dot of length K."""
 
 from __future__ import annotations
 
@@ -53,8 +51,7 @@ def ulp_of(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def ulp_error(actual: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
-    """|actual - exact| / ulp(exact) in actual's dtype (float64); matching NaN or equal infinities
-    give 0, any other disagreement inf."""
+    """|actual - exact| / ulp(exact) in actual's dtype, as fp64; same NaN or equal infs give 0, others inf."""
     ref = exact.to(torch.float64)
     act = actual.to(torch.float64)
     err = (act - ref).abs() / ulp_of(ref, actual.dtype)

@@ -6,11 +6,9 @@ Math (docs/design.md section 1), with ``W`` (d_out, d_in), ``A`` (r, d_in), ``B`
     g   = m / max(n, eps)                eps = 1e-12
     y   = x·Wᵀ + b + (g - 1)⊙(x_d·Wᵀ) + g⊙s⊙(x_d·Aᵀ)·Bᵀ      (x_d = x without dropout)
 
-Small problems are evaluated in float64 with error-free transformations (``accurate_sum``), within
-about one fp64 ulp of the exact result even where W nearly cancels s·B·A; large ones (above
-``ACCURATE_LIMIT``) in plain float64, whose error (about K·2⁻⁵³ relative to Σ|terms|) is still far
-below fp32's ulp. Gradients come from plain float64 autograd of the same formula: ``_with_value``
-swaps the accurate value in, so autograd sees the plain graph."""
+Small problems: float64 with error-free transformations (``accurate_sum``), within about one fp64 ulp of exact
+even where W nearly cancels s·B·A; large ones (above ``ACCURATE_LIMIT``): plain float64, error about K·2⁻⁵³ of
+Σ|terms|, far below fp32's ulp. Gradients: plain float64 autograd, ``_with_value`` putting exact values in."""
 
 from __future__ import annotations
 
@@ -77,18 +75,12 @@ def _small(*sizes: int) -> bool:
 
 
 def norm_terms_ref(
-    weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    scaling: float,
-    *,
+    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, *,
     fan_in_fan_out: bool = False,
 ) -> NormTermsRef:
-    """The three norm terms and the row norm of V = W + s·B·A, in float64.
-
-    ``base_i = ||W_i||²``, ``cross_i = <W_i, (BA)_i>``, ``lora_i = ||(BA)_i||²``, ``norm_i = ||V_i||``
-    from V itself (not from the terms), so ``norm² = base + 2s·cross + s²·lora`` is a check, not a
-    tautology. Detached (no gradient)."""
+    """The three norm terms and the row norm of V = W + s·B·A in float64, detached: ``base_i = ||W_i||²``,
+    ``cross_i = <W_i, (BA)_i>``, ``lora_i = ||(BA)_i||²``, ``norm_i = ||V_i||`` from V itself (not the
+    terms), so ``norm² = base + 2s·cross + s²·lora`` is a check, not a tautology."""
     with torch.no_grad():
         W = _as_rows(weight, fan_in_fan_out)
         A = lora_A.to(torch.float64)
@@ -148,26 +140,15 @@ def _accurate_compose(x2: torch.Tensor, V_hi, V_lo, m: torch.Tensor, b: torch.Te
 
 
 def dora_forward_ref(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    magnitude: torch.Tensor,
-    scaling: float,
-    bias: torch.Tensor | None = None,
-    *,
-    dropout_p: float = 0.0,
-    training: bool = False,
-    detach_norm: bool = True,
-    fan_in_fan_out: bool = False,
+    x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor,
+    magnitude: torch.Tensor, scaling: float, bias: torch.Tensor | None = None, *, dropout_p: float = 0.0,
+    training: bool = False, detach_norm: bool = True, fan_in_fan_out: bool = False,
     dropout_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The float64 DoRA forward, PEFT semantics; same signature as ``doracheck.dora_linear``.
-
-    Returns float64 (..., d_out), differentiable in every tensor argument through plain float64
-    autograd (through n too with ``detach_norm=False``). Dropout (``training and dropout_p > 0``)
-    needs ``dropout_mask`` (0/1 keep-mask broadcastable to x): ``x_d = x·mask/(1-p)``, so a test can
-    share its mask with PEFT or with the implementation under test."""
+    """The float64 DoRA forward, PEFT semantics, ``doracheck.dora_linear``'s signature: float64
+    (..., d_out), differentiable in every tensor argument by plain float64 autograd (through n too with
+    ``detach_norm=False``). Dropout (``training and dropout_p > 0``) needs ``dropout_mask`` (0/1 keep-mask
+    broadcastable to x): ``x_d = x·mask/(1-p)``, so a test can share its mask with PEFT or the code tested."""
     s = float(scaling)
     W = _as_rows(weight, fan_in_fan_out)
     A = lora_A.to(torch.float64)

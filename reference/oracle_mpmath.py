@@ -1,11 +1,10 @@
 """The mpmath oracle: exact-then-rounded DoRA quantities for small shapes.
 
-Every input is a binary floating-point number, so V = W + s·B·A, its squared row norms and the three
-terms are polynomials in them with finitely many bits. ``working_precision`` chooses a precision at
-which these sums of products are exact (product bits + exponent spread + summation length); square
-roots and the division in g are then correctly rounded at it, so the result rounded to float64 is
-correct except with probability about 2**-(prec - 53). The precision is set in ``mpmath.workprec``
-and restored afterwards; results are float64 tensors (each entry the mpf rounded to nearest)."""
+Inputs are binary floating-point numbers, so V = W + s·B·A, its squared row norms and the three terms are
+polynomials in them with finitely many bits. ``working_precision`` picks a precision at which these sums of
+products are exact (product bits + exponent spread + summation length); square roots and the division in g are
+then correctly rounded at it, so the float64 result is wrong only with probability about 2**-(prec - 53).
+``mpmath.workprec`` sets and restores it; results are float64 tensors (mpf to nearest)."""
 
 from __future__ import annotations
 
@@ -34,9 +33,8 @@ def _exponent_span(values: Iterable[float]) -> int:
 
 
 def working_precision(*tensors: torch.Tensor, scalars: tuple[float, ...] = (), degree: int = 6) -> int:
-    """Bits at which degree-``degree`` polynomials in these inputs are evaluated exactly: a product
-    of ``degree`` doubles needs 53·degree bits; a sum of such products the spread of their exponents
-    (at most degree × the inputs' spread) plus log2(#terms)."""
+    """Bits at which degree-``degree`` polynomials in these inputs are exact: 53·degree for a product of
+    ``degree`` doubles, plus for a sum their exponent spread (<= degree × the inputs') and log2(#terms)."""
     values: list[float] = list(scalars)
     count = 1
     for t in tensors:
@@ -101,8 +99,7 @@ def mp_norm_terms(
 
 
 def mp_magnitude_scale(
-    weight, lora_A, lora_B, magnitude, scaling, *, fan_in_fan_out=False
-) -> tuple[torch.Tensor, torch.Tensor]:
+    weight, lora_A, lora_B, magnitude, scaling, *, fan_in_fan_out=False) -> tuple[torch.Tensor, torch.Tensor]:
     """(g, g - 1) with g = m / max(n, eps), both correctly rounded to float64."""
     Wt = _rows(weight, fan_in_fan_out)
     _check_size("mp_magnitude_scale", Wt.shape[0] * Wt.shape[1] * (lora_A.shape[0] + 1))
@@ -120,14 +117,8 @@ def _mp_scale(Wt, lora_A, lora_B, magnitude, scaling):
 
 
 def mp_dora_forward(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    magnitude: torch.Tensor,
-    scaling: float,
-    bias: torch.Tensor | None = None,
-    *,
+    x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor,
+    magnitude: torch.Tensor, scaling: float, bias: torch.Tensor | None = None, *,
     fan_in_fan_out: bool = False,
 ) -> torch.Tensor:
     """y = b + g⊙(x·Vᵀ) (no dropout), correctly rounded to float64, shape (..., d_out)."""
@@ -162,6 +153,5 @@ def mp_compose(
         out = [
             b[j] + gs[j] * (mpmath.mpf(bv) + s * mpmath.mpf(lv))
             for brow, lrow in zip(flat_base.tolist(), flat_lora.tolist())
-            for j, (bv, lv) in enumerate(zip(brow, lrow))
-        ]
+            for j, (bv, lv) in enumerate(zip(brow, lrow))]
         return _to_tensor(out, base.shape)

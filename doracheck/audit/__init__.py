@@ -1,11 +1,9 @@
 """``doracheck audit``: health and numerical audit of DoRA checkpoints (safetensors only).
 
-``audit_path`` returns an ``AuditReport``, one module's tensors in memory at a time.
-``AuditInputError`` means unusable input: a pickle checkpoint, a hostile or corrupt file, a
-wrongly typed config value, or a ``base`` matching none of the adapter's DoRA modules. A plain
-LoRA adapter (no magnitude, no ``use_dora: true``) is checked, and ``AuditReport.plain_lora``
-plus a note say that nothing DoRA-specific was audited.
-"""
+``audit_path`` returns an ``AuditReport``, one module's tensors in memory at a time. ``AuditInputError``
+means unusable input: a pickle, a hostile or corrupt file, a wrongly typed config value, or a ``base``
+matching none of the adapter's DoRA modules. A plain LoRA adapter (no magnitude, no ``use_dora: true``)
+is checked, and ``AuditReport.plain_lora`` plus a note say nothing DoRA-specific was audited."""
 
 from __future__ import annotations
 
@@ -57,18 +55,13 @@ class AuditReport:
             "errors": sum(m.count("error") for m in self.modules),
             "warnings": sum(m.count("warning") for m in self.modules),
             "infos": sum(m.count("info") for m in self.modules),
-            "plain_lora": self.plain_lora,
-            "memory_bytes": memory,
+            "plain_lora": self.plain_lora, "memory_bytes": memory,
         }
 
     def as_dict(self) -> dict:
         return {
-            "path": self.path,
-            "format": self.fmt,
-            "notes": self.notes,
-            "plain_lora": self.plain_lora,
-            "modules": [m.as_dict() for m in self.modules],
-            "summary": self.summary(),
+            "path": self.path, "format": self.fmt, "notes": self.notes, "plain_lora": self.plain_lora,
+            "modules": [m.as_dict() for m in self.modules], "summary": self.summary(),
         }
 
 
@@ -81,17 +74,12 @@ def _device(name: str) -> torch.device:
 
 
 def audit_path(
-    path: str | Path,
-    base: str | Path | None = None,
-    config: str | Path | None = None,
-    device: str = "auto",
-    progress: Callable[[int, int, str], None] | None = None,
-    keep_arrays: bool = False,
+    path: str | Path, base: str | Path | None = None, config: str | Path | None = None, device: str = "auto",
+    progress: Callable[[int, int, str], None] | None = None, keep_arrays: bool = False,
 ) -> AuditReport:
-    """Audit every DoRA module of the adapter at ``path`` (a file, or a folder holding
-    adapter_model.safetensors and usually adapter_config.json); an unreadable path is an
-    ``AuditInputError``. ``progress(i, total, name)`` runs before each module; ``keep_arrays``
-    keeps per-feature vectors for plots."""
+    """Audit every DoRA module of the adapter at ``path`` (a file, or a folder with adapter_model.safetensors,
+    usually adapter_config.json; unreadable: ``AuditInputError``). ``progress(i, total, name)`` precedes
+    each module; ``keep_arrays``: per-feature vectors for plots."""
     try:
         return _audit(Path(path), base, config, _device(device), progress, keep_arrays)
     except BrokenPipeError:  # the caller's output went away (a progress callback): not an input problem
@@ -143,13 +131,11 @@ def _require_base_match(base: BaseWeights, modules: list[ModuleKeys]) -> None:
     theirs = f"the base has e.g. {weights[0]!r} ({len(base.keys())} tensors)" if weights else "the base holds no tensors"
     raise AuditInputError(
         f"--base {base.path}: matches none of the adapter's {len(modules)} DoRA modules: looked for e.g. "
-        f"{modules[0].name + '.weight'!r}, {theirs}; is it the model this adapter was trained on?"
-    )
+        f"{modules[0].name + '.weight'!r}, {theirs}; is it the model this adapter was trained on?")
 
 
 def _require_base_shapes(base: BaseWeights, adapter: SafetensorsFile, modules: list[ModuleKeys], fan_in_fan_out: bool) -> None:
-    """A base whose weights have other shapes than the adapter's is another model: one line with a
-    count and an example, exit 2 (rather than one error finding per module)."""
+    """Base weights shaped unlike the adapter's: another model; one line, exit 2, not a finding per module."""
     wrong, found = [], 0
     for module in modules:
         key = base.find(module.name)

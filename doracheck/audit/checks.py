@@ -3,8 +3,7 @@
 Check ids (severity):
   structure.missing (error)     A, B or the magnitude is absent
   structure.dtype (error)       a tensor is not fp16, bf16, fp32 or fp64 (integer, bool, fp8, ...)
-  structure.shape (error)       A (r, d_in), B (d_out, r), m (d_out,), W (d_out, d_in) disagree, or
-                                a dimension is 0 (numerical checks skipped)
+  structure.shape (error)       A (r, d_in), B (d_out, r), m (d_out,), W (d_out, d_in) disagree, or a dim is 0
   structure.rank (error)        r differs from adapter_config.json (r / rank_pattern)
   config.missing (warning)      no adapter_config.json: scaling unknown, numerics skipped
   finite.<tensor> (error)       NaN / Inf entries, counted per tensor
@@ -20,15 +19,13 @@ Check ids (severity):
   base.inconclusive (info)      the rows cannot tell bases apart (norms of one size, or s·B·A dominates W)
   scale.collapse_bf16/fp16 (info) share of the features above the noise floor whose g rounds to 1
   overflow.fp16/bf16 (warning/error) merged |W'_ij| <= m_i: headroom to the dtype's max
-  merge.ulp (info/warning)      merged-weight output error in ulps of W's dtype (fp32 for fp64) and
-                                over its a-priori bound (``check_merge``); warning: median > 8 ulp or bound exceeded
+  merge.ulp (info/warning)      merged output error in ulps of W's dtype (fp32 for fp64) and against its bound
+                                (``check_merge``); warning: median > 8 ulp or bound exceeded
   structure.not_dora (info)     a plain LoRA module (no magnitude, use_dora not true)
   format.kohya (info)           kohya/LyCORIS dora_scale: a different norm axis, not audited numerically
   memory (info)                 the norm's scratch: a dense fp32 d_out×d_in against the factored terms
 
-``keep_arrays`` keeps the per-feature vectors (g - 1, the norm terms, the merge errors) in
-``ModuleReport.arrays`` for plots (not in the JSON).
-"""
+``keep_arrays``: per-feature vectors in ``ModuleReport.arrays``, for plots (not in the JSON)."""
 
 from __future__ import annotations
 
@@ -84,14 +81,8 @@ class ModuleReport:
 
     def as_dict(self) -> dict:
         return {
-            "name": self.name,
-            "format": self.fmt,
-            "r": self.r,
-            "d_in": self.d_in,
-            "d_out": self.d_out,
-            "scaling": self.scaling,
-            "checks": [c.__dict__ for c in self.checks],
-            **self.stats,
+            "name": self.name, "format": self.fmt, "r": self.r, "d_in": self.d_in, "d_out": self.d_out,
+            "scaling": self.scaling, "checks": [c.__dict__ for c in self.checks], **self.stats,
         }
 
 
@@ -157,9 +148,8 @@ def check_magnitude(report: ModuleReport, m: torch.Tensor) -> None:
 
 
 def magnitude_precision(m: torch.Tensor) -> tuple[str, float]:
-    """(name, machine epsilon) of the precision the magnitudes carry: the narrowest of bf16 /
-    fp16 holding every value exactly (PEFT's init on a 16-bit base rounds the norm to it before
-    storing fp32), else the storage dtype; never finer than fp32, g's precision."""
+    """(name, eps) of the magnitudes' precision: the narrowest of bf16 / fp16 holding every value exactly
+    (PEFT's init on a 16-bit base rounds the norm to it, then stores fp32), else the storage; at most fp32."""
     names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
     if m.dtype in names:
         return names[m.dtype], torch.finfo(m.dtype).eps
@@ -172,17 +162,15 @@ def magnitude_precision(m: torch.Tensor) -> tuple[str, float]:
 
 
 def noise_floor(m: torch.Tensor, indicator: torch.Tensor, d_in: int) -> torch.Tensor:
-    """Per feature, the |g - 1| that rounding alone can produce (float64): NOISE_ULPS ulps of the
-    magnitude's precision, plus the fp32 rounding of the factored norm, eps32·(2 + log2 d_in)·κ
-    with κ = (||W||² + 2s|<W,BA>| + s²||BA||²) / n² (1 when nothing cancels)."""
+    """Per feature, the |g - 1| rounding alone can give (fp64): NOISE_ULPS ulps of the magnitudes' precision
+    plus the factored norm's fp32 rounding eps32·(2 + log2 d_in)·κ (κ: ``_norm_findings``' indicator)."""
     _, eps_m = magnitude_precision(m)
     eps32 = torch.finfo(torch.float32).eps
     return NOISE_ULPS * eps_m + eps32 * (2 + math.log2(max(d_in, 1))) * indicator.double()
 
 
 def collapse_stats(report: ModuleReport, g: torch.Tensor, floor: torch.Tensor, precision: str) -> None:
-    """Among features whose |g - 1| exceeds the noise floor (the learned ones), the share whose
-    g rounds to exactly 1 in bf16 / fp16."""
+    """Share of the learned features (|g - 1| above the noise floor) whose g rounds to 1 in bf16 / fp16."""
     dev = (g.double() - 1).abs()
     learned = dev > floor
     k = int(learned.sum())
@@ -217,8 +205,7 @@ def _norm_findings(report: ModuleReport, base, cross, lora, n, s: float) -> torc
     report.stats["cancellation_max"] = float(indicator.max()) if indicator.numel() else 0.0
     if cancelling:
         report.add(
-            "norm.cancellation",
-            "warning",
+            "norm.cancellation", "warning",
             f"{cancelling} rows where W cancels s·B·A ((||W||² + 2s|<W,BA>| + s²||BA||²)/n² up to {float(indicator.max()):.3g}): "
             "n carries fewer significant digits there",
         )
@@ -236,20 +223,16 @@ def correlation(a: torch.Tensor, b: torch.Tensor) -> float | None:
 
 
 def _base_agreement(report: ModuleReport, m: torch.Tensor, n: torch.Tensor, n_shifted: torch.Tensor, median_g: float) -> None:
-    """``base.mismatch``: whether the stored magnitudes belong to this base. PEFT initialises
-    m = ||W + s·B·A|| row by row (g = 1) and training moves each m_i by a relative δ_i, so m
-    follows the base's row norms n. The base's rows shifted by half (``n_shifted``: W's row i with
-    B·A's row i + d_out/2) are a base of the right shapes whose rows do not belong to m.
-
-    With the right base, corr(m, n) - corr(m, n_shifted) is about c / sqrt(c² + var δ) for row
-    norms spreading by a relative c (less a shuffle's noise 1/sqrt(d_out)); a base of another
-    seed gives about 0 and a median |g-1| of the order of c. So the check can only tell when the
-    rows carry information: their norms spread (c >= 0.5·median |g-1|; rows of one norm, as an
-    orthogonal init gives, cannot) and the base's rows matter (corr(n, n_shifted) < 0.5; an s·B·A
-    that dominates W makes every base look alike); otherwise ``base.inconclusive``. Then it fires
-    when m is not near PEFT's init (median |g-1| > 0.02) and the excess is below 0.25. A tiny LLaMA
-    trained 100 steps (fp32, bf16): excess 0.41-1.1 with its base, -0.32 to 0.23 with another
-    seed's (tests/audit/test_audit_base.py)."""
+    """``base.mismatch``: do the magnitudes belong to this base? PEFT initialises m = ||W + s·B·A|| per row
+    (g = 1) and training moves each m_i by a relative δ_i, so m follows the base's row norms n. The base's
+    rows shifted by half (``n_shifted``: W's row i with B·A's row i + d_out/2) are a right-shaped base whose
+    rows are not m's. With the right base, corr(m, n) - corr(m, n_shifted) ≈ c / sqrt(c² + var δ) for row
+    norms spreading by a relative c (less a shuffle's noise 1/sqrt(d_out)); another seed's base gives ≈ 0
+    and a median |g-1| of order c. The rows must carry information: norms that spread (c >= 0.5·median
+    |g-1|; an orthogonal init's equal norms cannot) and rows that matter (corr(n, n_shifted) < 0.5; an
+    s·B·A dominating W makes all bases alike), else ``base.inconclusive``. It fires if m is off PEFT's init
+    (median |g-1| > 0.02) and the excess is below 0.25. Tiny LLaMA, 100 steps (fp32, bf16): excess 0.41-1.1
+    with its base, -0.32 to 0.23 with another seed's (tests/audit/test_audit_base.py)."""
     rho, rho_shifted, informative = correlation(m.cpu(), n), correlation(m.cpu(), n_shifted), correlation(n, n_shifted)
     excess = None if rho is None or rho_shifted is None else rho - rho_shifted
     spread = float(n.std() / n.mean()) if n.numel() > 1 and float(n.mean()) > 0 else 0.0
@@ -281,8 +264,7 @@ def _overflow_findings(report: ModuleReport, m: torch.Tensor) -> None:
 
 
 def check_norm_and_scale(report: ModuleReport, W, A, B, m, scaling: float, fan_in_fan_out: bool, device) -> torch.Tensor:
-    """Norm terms by the factored kernel, cancellation, near-zero rows, g statistics,
-    collapse zones and overflow headroom. Returns g (fp32)."""
+    """Factored norm terms, cancellation, near-zero rows, g stats, collapse, overflow headroom; returns g."""
     import doracheck
     terms = doracheck.factored_norm(W.to(device), A.to(device), B.to(device), scaling, fan_in_fan_out=fan_in_fan_out, return_terms=True)
     assert isinstance(terms, doracheck.NormTerms)
@@ -290,8 +272,7 @@ def check_norm_and_scale(report: ModuleReport, W, A, B, m, scaling: float, fan_i
     report.norm = terms.norm.cpu()
     s = float(scaling)
     report.add(
-        "norm.terms",
-        "info",
+        "norm.terms", "info",
         f"||W||² median {float(base.median()):.4g}, <W,BA> median {float(cross.median()):.3g}, "
         f"||BA||² median {float(lora.median()):.3g}, n in [{float(n.min()):.4g}, {float(n.max()):.4g}]",
     )
@@ -322,8 +303,7 @@ def ulp_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _merge_block(x, xa, W_blk, B_blk, g_blk, A, s: float, dtype):
-    """(output ulp errors, error / a-priori bound) of one row block of the merged weight; the
-    exact output and the bound are evaluated factored, only the merged block is formed."""
+    """(ulp errors, error / a-priori bound) of one row block's outputs; exact output and bound factored."""
     g64 = g_blk.double()
     W64 = W_blk.double()
     B64 = B_blk.double()
@@ -341,11 +321,10 @@ def _merge_block(x, xa, W_blk, B_blk, g_blk, A, s: float, dtype):
 
 
 def check_merge(report: ModuleReport, W, A, B, g, scaling: float, fan_in_fan_out: bool, device, seed: int = 0) -> None:
-    """Probe x (8 tokens): x·W'ᵀ with W' = g ⊙ (W + s·B·A) computed in fp32 and cast to W's
-    dtype, against the exact merge in fp64, in ulps of ``ulp_dtype``, and against the a-priori
-    bound of one rounding after an fp32 merge, |x|·(u·|g|·(|W| + |s|·|B|·|A|))ᵀ: a ratio above 1
-    means merged entries lost more than rounding allows (overflow, subnormals). Row blocks keep
-    memory at O(ROW_BLOCK·d_in)."""
+    """Probe x (8 tokens): x·W'ᵀ, W' = g ⊙ (W + s·B·A) in fp32 cast to W's dtype, against the exact fp64 merge
+    in ulps of ``ulp_dtype`` and against the a-priori bound of one rounding after an fp32 merge,
+    |x|·(u·|g|·(|W| + |s|·|B|·|A|))ᵀ: a ratio above 1 means merged entries lost more than rounding allows
+    (overflow, subnormals). Row blocks keep memory at O(ROW_BLOCK·d_in)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(PROBE_TOKENS, A.shape[1], generator=gen, dtype=torch.float64).to(device)
     rows = W.t() if fan_in_fan_out else W
@@ -380,12 +359,10 @@ def check_merge(report: ModuleReport, W, A, B, g, scaling: float, fan_in_fan_out
 
 def check_memory(report: ModuleReport, d_out: int, d_in: int, r: int, device, lora_A_dtype: torch.dtype | None = None,
                  lora_B_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None) -> None:
-    """The norm's scratch, like for like in fp32 (W excluded): a dense norm holds at least
-    V = W + s·B·A (d_out×d_in; PEFT's eager path also holds B·A); the factored norm holds
-    U = W·Aᵀ (d_out×r), G = A·Aᵀ (r×r) and four d_out vectors (base, cross, lora, n).
-    ``implementation_bound``: all that doracheck's kernels on this device's path allocate for
-    these dtypes on a ``weight_dtype`` base (unknown: the larger for a bf16 and an fp16 base);
-    ``update_memory_bound`` makes it exact once the base weight is read."""
+    """The norm's scratch in fp32, W excluded: a dense norm holds at least V = W + s·B·A (d_out×d_in; PEFT's
+    eager path also B·A), the factored one U = W·Aᵀ (d_out×r), G = A·Aᵀ (r×r) and four d_out vectors.
+    ``implementation_bound``: all doracheck's kernels on this device's path allocate for these adapters on
+    a ``weight_dtype`` base (unknown: the larger of bf16 and fp16, until ``update_memory_bound`` knows)."""
     dense = 4 * d_out * d_in
     factored = 4 * (d_out * r + r * r + 4 * d_out)
     report.stats["memory_bytes"] = {"dense_norm": dense, "factored_norm": factored, "dtype": "fp32"}
@@ -396,8 +373,7 @@ def check_memory(report: ModuleReport, d_out: int, d_in: int, r: int, device, lo
 
 def update_memory_bound(report: ModuleReport, d_out: int, d_in: int, r: int, device, lora_A_dtype: torch.dtype | None,
                         lora_B_dtype: torch.dtype | None, weight_dtype: torch.dtype | None) -> None:
-    """Set ``stats["memory_bytes"]``'s ``implementation_bound``, ``path`` and ``base_dtype``
-    (None: not known, the bound the larger over 16-bit bases; see ``check_memory``)."""
+    """``stats["memory_bytes"]``'s ``implementation_bound``, ``path``, ``base_dtype`` (``check_memory``)."""
     from doracheck.dispatch import choose_path
     from doracheck.kernels import norm_memory_bound
     from doracheck.kernels.settings import cublas_cross_pieces, triton_norm_memory_bound
@@ -431,8 +407,7 @@ def note_kohya(report: ModuleReport, keys: ModuleKeys, tensors: dict[str, torch.
         elif mag.numel() == B.shape[0]:
             axis = "per output feature (row norm, wd_on_output)"
     report.add(
-        "format.kohya",
-        "info",
+        "format.kohya", "info",
         f"kohya/LyCORIS naming (lora_down/lora_up/dora_scale): dora_scale {tuple(mag.shape) if mag is not None else None} "
         f"normalises {axis}; PEFT's row-norm numerics are not applied to it",
     )

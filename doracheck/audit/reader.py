@@ -1,9 +1,8 @@
 """Safe, lazy access to safetensors files (adapters and base models) for the audit.
 
-Nothing here executes code from a file (safetensors only, no pickle) or reads more than it
-needs: the header is validated first with our own limits, then tensors are read one at a time
-(``safetensors.safe_open``, memory-mapped), so a 70B base model is never in RAM. Every problem
-becomes an ``AuditInputError`` with a one-line message naming the file.
+Nothing here runs code from a file (safetensors only, no pickle) or reads more than it needs: the header
+is validated first with our own limits, then tensors are read one at a time (``safetensors.safe_open``,
+memory-mapped: a 70B base is never in RAM). Every problem is a one-line ``AuditInputError`` naming the file.
 """
 
 from __future__ import annotations
@@ -41,8 +40,7 @@ _RESAVE = {
 
 
 def pickle_error(path: Path, what: str, role: str) -> AuditInputError:
-    """The one-line refusal for a PyTorch pickle checkpoint (``what`` says what was found), with
-    the re-save recipe for the folder it sits in."""
+    """One-line refusal of a PyTorch pickle (``what``: what was found), with its folder's re-save recipe."""
     folder = path if path.is_dir() else path.parent
     if folder.name in ("", ".", ".."):
         folder = folder.resolve()
@@ -54,10 +52,9 @@ def pickle_error(path: Path, what: str, role: str) -> AuditInputError:
 
 
 def pickle_kind(path: Path, prefix: bytes) -> str | None:
-    """How ``path`` looks like a PyTorch pickle checkpoint, from its first bytes and name, or None.
-    Only files without a safetensors header ('{' at byte 8) are judged: zip magic PK\\x03\\x04
-    (torch.save), pickle protocol 2-5 magic \\x80 0x02..0x05 (legacy torch.save, pickle.dump), or a
-    .bin/.pt/.pth/.ckpt/.pkl name."""
+    """How ``path`` looks like a PyTorch pickle checkpoint (first bytes and name), or None. Only files
+    without a safetensors header ('{' at byte 8) are judged: zip magic PK\\x03\\x04 (torch.save), pickle
+    protocol 2-5 magic \\x80 0x02..0x05 (old torch.save, pickle.dump), or a .bin/.pt/.pth/.ckpt/.pkl name."""
     if prefix[8:9] == b"{":
         return None
     if prefix.startswith(b"PK\x03\x04"):
@@ -82,17 +79,15 @@ def _fail(path: Path, problem: str) -> AuditInputError:
 
 
 def special_file(path: Path) -> AuditInputError | None:
-    """The error for a path that exists but is neither a regular file nor a folder (a device such
-    as /dev/null, a pipe, a socket), else None."""
+    """The error for an existing path neither a file nor a folder (/dev/null, a pipe, a socket), else None."""
     if path.exists() and not path.is_file() and not path.is_dir():
         return _fail(path, "is a device or special file, not a safetensors file or a folder holding one")
     return None
 
 
 def read_header(path: Path, role: str = "adapter") -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Validate a safetensors header: sizes, JSON, dtypes, shapes, offsets (in bounds, sized to
-    their shape, not overlapping). Returns (tensors, metadata). A PyTorch pickle is refused with
-    how to re-save it (``role``: "adapter" or "base"); a JSON file is named as such."""
+    """(tensors, metadata) of a validated safetensors header (sizes, JSON, dtypes, shapes, offsets in bounds,
+    sized to shape, disjoint); a pickle is refused with its re-save recipe (``role``: "adapter" or "base")."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -134,11 +129,8 @@ def read_header(path: Path, role: str = "adapter") -> tuple[dict[str, TensorInfo
             raise _fail(path, f"tensor {name!r}: unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             raise _fail(path, f"tensor {name!r}: shape must be a list of non-negative integers, got {shape!r}")
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-        ):
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
             raise _fail(path, f"tensor {name!r}: data_offsets must be [begin, end], got {offsets!r}")
         begin, end = offsets
         if not (0 <= begin <= end <= data_size):

@@ -1,12 +1,10 @@
 """``doracheck audit PATH [--base PATH] [--config FILE] [--json] [--verbose] [--report FILE.html]
 [--device auto|cpu|cuda] [--strict]``: options, output and exit codes in docs/cli.md.
 
-Text output: the summary table, the findings (``--verbose`` adds info), a summary line, the norm
-scratch memory and a legend (left out with ``--quiet`` or under CI); ``--json``: one JSON object.
-With ``--strict`` a plain LoRA adapter exits 1 (a pipeline expecting DoRA fails when
-``use_dora=True`` was forgotten). ``--make-sample``: hidden, deprecated alias of ``doracheck
-sample PATH`` (one-line notice).
-"""
+Text: the summary table, the findings (``--verbose`` adds info), a summary line, the norm scratch memory
+and a legend (not with ``--quiet`` or under CI); ``--json``: one JSON object. ``--strict`` fails a plain
+LoRA adapter (exit 1: a pipeline expecting DoRA catches a forgotten ``use_dora=True``). ``--make-sample``:
+hidden, deprecated alias of ``doracheck sample PATH`` (one-line notice)."""
 
 from __future__ import annotations
 
@@ -169,8 +167,7 @@ def _run(args) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "audit",
-        help="health and numerical audit of a DoRA checkpoint (safetensors)",
+        "audit", help="health and numerical audit of a DoRA checkpoint (safetensors)",
         description="Audit a PEFT (or kohya/LyCORIS) DoRA adapter saved as safetensors: structure, finite values, "
         "magnitudes, and with --base the norms, the scale g = m/n, 16-bit collapse, overflow headroom and merge error. "
         "Reads only safetensors (never unpickles); one module in memory at a time. "

@@ -1,9 +1,7 @@
-"""``doracheck bench``: time doracheck's DoRA layer against plain nn.Linear on this machine, and
-with ``--plan`` the planner's variants, predicted against measured, side by side (options, times
-and exit codes in docs/cli.md). A row's columns are interleaved round-robin on the same inputs
-(``doracheck.timing.time_interleaved``); ``--csv FILE`` gets the rows as they are measured
-(``measure.CsvRows``), so a run cut short keeps them.
-"""
+"""``doracheck bench``: doracheck's DoRA layer timed against plain nn.Linear on this machine, and with
+``--plan`` the planner's variants, predicted against measured (options, times, exit codes: docs/cli.md).
+A row's columns are interleaved round-robin on the same inputs (``timing.time_interleaved``);
+``--csv FILE`` gets the rows as they are measured (``measure.CsvRows``), so a run cut short keeps them."""
 
 from __future__ import annotations
 

@@ -15,14 +15,9 @@ def collect() -> dict:
     from doracheck.dispatch import describe_path, triton_available
     from doracheck.properties import device_family
     info: dict = {
-        "doracheck": __version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "numpy": numpy.__version__,
-        "triton": None,
-        "cuda_available": torch.cuda.is_available(),
-        "devices": [],
+        "doracheck": __version__, "python": platform.python_version(), "platform": platform.platform(),
+        "torch": torch.__version__, "numpy": numpy.__version__, "triton": None,
+        "cuda_available": torch.cuda.is_available(), "devices": [],
     }
     if triton_available():
         import triton
@@ -33,15 +28,10 @@ def collect() -> dict:
         device = "cuda"
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
-            info["devices"].append(
-                {
-                    "index": i,
-                    "name": props.name,
-                    "capability": f"{props.major}.{props.minor}",
-                    "family": device_family(f"cuda:{i}"),
-                    "memory_gib": round(props.total_memory / 2**30, 1),
-                }
-            )
+            info["devices"].append({
+                "index": i, "name": props.name, "capability": f"{props.major}.{props.minor}",
+                "family": device_family(f"cuda:{i}"), "memory_gib": round(props.total_memory / 2**30, 1),
+            })
     info["family"] = device_family(device)
     choice = describe_path(device)
     info["path"] = {"device": device, "name": choice.name, "reason": choice.reason}
@@ -92,13 +82,9 @@ def _run(args) -> int:
         print(json.dumps(info, indent=2))
         return 0
     rows = [
-        ("doracheck", info["doracheck"]),
-        ("python", info["python"]),
-        ("torch", info["torch"]),
-        ("triton", info["triton"] or "not installed"),
-        ("numpy", info["numpy"]),
-        ("platform", info["platform"]),
-        ("family", info["family"]),
+        ("doracheck", info["doracheck"]), ("python", info["python"]), ("torch", info["torch"]),
+        ("triton", info["triton"] or "not installed"), ("numpy", info["numpy"]),
+        ("platform", info["platform"]), ("family", info["family"]),
     ]
     for dev in info["devices"]:
         rows.append((f"cuda:{dev['index']}", f"{dev['name']} (sm{dev['capability'].replace('.', '')}, {dev['memory_gib']} GiB)"))
