@@ -119,6 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layer-calls", type=int, default=20, help="timed layer calls per side and round")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--lora", action="store_true", help="PEFT LoRA as a third side, for scale")
+    ap.add_argument("--host-profile", metavar="DIR", help="after each part's rounds, cProfile each side's calls "
+                    "into DIR/PART_SIDE.txt (where the host time goes: harness.host_profile)")
     lm.add_llama_args(ap)
     harness.add_common_args(ap)
     args = ap.parse_args(argv)
@@ -175,6 +177,10 @@ def main(argv=None) -> int:
         else:
             cases = {n: fns[n] for n in names}
         samples = harness.interleaved(cases, rounds=args.rounds, per_round=per_round, settle=settle)
+        if args.host_profile:  # after the timed rounds, so the profiler's overhead never enters them
+            Path(args.host_profile).mkdir(parents=True, exist_ok=True)
+            for n in names:
+                harness.host_profile(fns[n], Path(args.host_profile) / f"{part}_{n}.txt", calls=max(per_round, 2))
         for n, s in harness.summarise(samples, ref="A").items():
             row = results.add({"case": part, "part": part, "side": n, "source": source[n], "impl": n,
                                "shape": "layer 4096x4096r16 T1" if part == "layer" else lm.shape_label(args),

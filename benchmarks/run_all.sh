@@ -11,7 +11,8 @@
 #     memcheck     compute-sanitizer memcheck over the kernel tests ($MEMCHECK_TESTS, -k $MEMCHECK_K)
 #     verify       doracheck verify --quick
 #     layer kernels memory model decode compiled profile equivalence planner   the drivers of the same names
-#     ab           ab.py $AB_A $AB_B (checkout folders carried to the machine, or revisions where .git is)
+#     ab           ab.py $AB_A $AB_B (checkout folders carried to the machine, or revisions where .git is), with
+#                  each side's host profile per part in $OUT/host_profiles.tgz
 #     fsdp         fsdp.py under torchrun on 2 GPUs (nvidia-h200-x2): check, then time doracheck and PEFT
 #     all          every part (a whole session: more than one 600 s device call)
 # A device call has 600 s; these groups each fit one: tests | memcheck,verify | layer,kernels,memory |
@@ -74,7 +75,8 @@ has decode && step decode 330 $PY benchmarks/decode.py $BENCH_ARGS
 has compiled && step compiled 400 $PY benchmarks/compiled_step.py $BENCH_ARGS
 if has ab; then
   if [[ -n ${AB_A:-} ]]; then
-    step ab 560 $PY benchmarks/ab.py "$AB_A" "${AB_B:-.}" $BENCH_ARGS
+    step ab 560 $PY benchmarks/ab.py "$AB_A" "${AB_B:-.}" --host-profile "$OUT/host" $BENCH_ARGS
+    tar -czf "$OUT/host_profiles.tgz" -C "$OUT" host 2>/dev/null && rm -rf "$OUT/host"  # one file: few come back
   else
     echo "ab: set AB_A (and AB_B, default .) to the checkouts to compare" | tee -a "$STEPS"
   fi
