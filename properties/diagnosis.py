@@ -97,19 +97,26 @@ def verdict(deviations: list[Deviation]) -> str:
     return "; ".join(f'matches "{d.name}" ({d.description})' for d in deviations)
 
 
-def row_scaling_cause(p: Problem, W_scaled: torch.Tensor, B_scaled: torch.Tensor) -> str:
-    """The cause of a ``meta.row_scaling`` failure. The contract's product form g⊙z is exactly
-    invariant when rows of W and B are scaled by 4 (g/4 and 4z are exact); PEFT's
-    (g-1)⊙base + base + g⊙s⊙lora, rounded in the activation dtype, is not (4·base - 3·base cancels).
-    Named when that form, evaluated on this case, moves y by more than 1 ulp too."""
+def row_scaling_cause(impl: Implementation, p: Problem, W_scaled: torch.Tensor, B_scaled: torch.Tensor, moved: float,
+                      forward_tolerance: float) -> str:
+    """The cause of a ``meta.row_scaling`` failure (the implementation moved y by ``moved`` ulp when
+    rows of W and B were scaled by 4). A change of meaning is named as for accuracy (the deviation
+    that reproduces y on this case). Otherwise the rounding form: the contract's g⊙z is exactly
+    invariant (g/4 and 4z are exact), PEFT's (g-1)⊙base + base + g⊙s⊙lora rounded in the
+    activation dtype is not (4·base - 3·base cancels); named when that form, on this case, moves y
+    by as many ulps as the implementation did, within a factor of 4."""
+    semantic = explaining(impl, p, rel_distance({"y": forward_tolerance}))
+    if semantic:
+        return verdict(semantic)
     form = DEVIATION_BY_NAME["low-precision compose"]
 
     def y_of(W: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
         return form.forward(p.x, W, p.lora_A, B, p.magnitude, p.scaling, p.bias, dtype=p.x.dtype,
                             fan_in_fan_out=p.fan_in_fan_out).to(p.x.dtype)
 
-    moved = float(ulp_distance(y_of(W_scaled, B_scaled), y_of(p.weight, p.lora_B)).max()) if p.x.numel() else 0.0
-    if not moved > 1:
+    by_form = float(ulp_distance(y_of(W_scaled, B_scaled), y_of(p.weight, p.lora_B)).max()) if p.x.numel() else 0.0
+    if not (by_form > 1 and by_form / 4 <= moved <= 4 * by_form):
         return NOT_EXPLAINED
     return (f'explained by the (g-1)·base + base form of the compose (as in "{form.name}"): rounded in '
-            f"{_dtype_name(p.x.dtype)}, it moves y by {moved:.0f} ulp here, the product form g⊙z by none")
+            f"{_dtype_name(p.x.dtype)}, it moves y by {by_form:.0f} ulp here (the implementation {moved:.0f}), "
+            "the product form g⊙z by none")

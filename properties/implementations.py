@@ -106,7 +106,7 @@ def resolve(spec: str) -> Implementation:
 
         return Implementation(name="peft", dora_linear=peft_dora_linear)
     if ":" not in spec:
-        raise ImplementationError(f"--impl: expected doracheck, torch, peft or MODULE:CALLABLE, got {spec!r}")
+        raise ImplementationError(f"--impl: expected doracheck, doracheck@VARIANT, torch, peft or MODULE:CALLABLE, got {spec!r}")
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)

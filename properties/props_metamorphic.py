@@ -50,7 +50,7 @@ def metamorphic(impl: Implementation, p: Problem, family: str) -> list[CheckResu
     fwd = _field(budget_for("forward", "y", dt, family), "rel_l2")
     scale_detail = "ulp distance, rows of W and B ×4"
     if not scale_err <= 1.0:
-        scale_detail += " — " + row_scaling_cause(p, W_scaled, B)
+        scale_detail += " — " + row_scaling_cause(impl, p, W_scaled, B, scale_err, fwd)
     return [
         _result("meta.row_scaling", dt, scale_err, 1.0, 1, scale_detail),
         _result("meta.permutation", dt, perm_err, 1.0, 1, "|Δy| / (1 ulp + platform's own movement), features permuted"),

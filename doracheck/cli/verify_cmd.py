@@ -250,10 +250,12 @@ def _run(args) -> int:
     if args.report and (problem := report_problem(args.report)):
         print(f"doracheck verify: {problem}", file=sys.stderr)
         return 2
-    specs = args.impl or ["doracheck"]
-    resolved = [impl_and_dtypes(args, "verify", spec) for spec in specs]
-    if any(r is None for r in resolved):
-        return 2
+    specs = list(dict.fromkeys(args.impl or ["doracheck"]))  # a spec given twice is judged once
+    resolved = []
+    for spec in specs:
+        if (pair := impl_and_dtypes(args, "verify", spec)) is None:  # its one error line is printed
+            return 2
+        resolved.append(pair)
     dtypes = resolved[0][1]
     device = _device()
     header = {"impl": ", ".join(impl.name for impl, _ in resolved), "profile": profile, "device": device, "family": device_family(device)}
@@ -261,7 +263,8 @@ def _run(args) -> int:
         print("doracheck verify: " + " ".join(f"{k}={v}" for k, v in header.items()), flush=True)
     with Progress("verify", suite_steps(dtypes) * len(specs), json_output=args.json) as progress:
         runs = [_judge(spec, impl, dtypes, profile, device, progress) for spec, (impl, _) in zip(specs, resolved)]
-    code = 2 if all(run.nothing for run in runs) else (1 if any(run.failed for run in runs) else 0)
+    # An implementation with nothing checkable is unusable input even beside others: no false comfort.
+    code = 2 if any(run.nothing for run in runs) else (1 if any(run.failed for run in runs) else 0)
     if args.report:
         try:
             write_report(args.report, runs, header, facts(header, dtypes))

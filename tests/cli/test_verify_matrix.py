@@ -155,11 +155,20 @@ def na_spec(monkeypatch):
     return f"{module.__name__}:never"
 
 
-def test_exit_2_only_when_nothing_is_checkable_for_every_implementation(na_spec, capsys):
-    assert main(["verify", "--impl", na_spec, "--impl", na_spec, "--quick", "--dtype", "fp32"]) == 2
-    assert capsys.readouterr().err.count("nothing could be checked") == 2
-    assert main(["verify", "--impl", na_spec, "--impl", "doracheck", "--quick", "--dtype", "fp32"]) == 0
-    assert capsys.readouterr().err.count("nothing could be checked") == 1
+def test_exit_2_when_nothing_is_checkable_for_any_implementation(na_spec, capsys):
+    """A CI line `--impl doracheck --impl mine` must not stay green with nothing of `mine` checked."""
+    assert main(["verify", "--impl", na_spec, "--impl", "doracheck", "--quick", "--dtype", "fp32", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("nothing could be checked") == 1
+    doc = json.loads(captured.out)
+    assert doc["passed"] is False and [d["passed"] for d in doc["implementations"]] == [False, True]
+
+
+def test_a_spec_given_twice_is_judged_once_and_a_bad_dtype_is_said_once(capsys):
+    assert main(["verify", "--impl", "torch", "--impl", "torch", "--quick", "--dtype", "fp32", "--json"]) == 0
+    assert "implementations" not in json.loads(capsys.readouterr().out)  # one implementation: the one-impl object
+    assert main(["verify", "--impl", "torch", "--impl", "doracheck", "--dtype", "fp8"]) == 2
+    assert capsys.readouterr().err.count("--dtype") == 1
 
 
 def test_a_markdown_report_replaces_only_its_own(tmp_path, capsys):

@@ -58,3 +58,7 @@ def test_a_row_scaling_failure_is_explained_by_the_form_that_causes_it():
     assert row.status == "FAIL" and "explained by the (g-1)·base + base form" in row.detail, row.detail
     product = {r.prop: r for r in metamorphic(Implementation("product form", naive_compose), case, "cpu")}["meta.row_scaling"]
     assert product.status == "pass", product.detail
+    for name in ("bias scaled by g", "column norm", "magnitude ignored"):  # they move y too, for another reason
+        wrapper, _ = PLANTED[name]
+        row = {r.prop: r for r in metamorphic(Implementation(name, wrapper), case, "cpu")}["meta.row_scaling"]
+        assert row.status == "FAIL" and "(g-1)" not in row.detail and NAMED.findall(row.detail) == [name], row.detail
