@@ -135,6 +135,12 @@ class Report:
         replace_file(path, self.render().encode("utf-8"))
 
 
+def _md_cell(value: Any) -> str:
+    """A table cell's text as Markdown shows it literally: one line, no raw HTML, no column break."""
+    text = html.escape(" ".join(str(value).split()), quote=False)
+    return text.replace("|", "\\|")
+
+
 class MarkdownReport(Report):
     """The same document in Markdown (needs no matplotlib; ``figure`` is not used)."""
 
@@ -145,8 +151,7 @@ class MarkdownReport(Report):
         self._parts.append(text)
 
     def table(self, header: Sequence[str], rows: Sequence[Sequence[Any]], row_classes: Sequence[str] | None = None) -> None:
-        self._parts.append("\n".join("| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |"
-                                     for row in [header, ["---"] * len(header), *rows]))
+        self._parts.append("\n".join("| " + " | ".join(_md_cell(c) for c in row) + " |" for row in [header, ["---"] * len(header), *rows]))
 
     def pre(self, text: str) -> None:
         self._parts.append(f"```python\n{text.rstrip()}\n```")

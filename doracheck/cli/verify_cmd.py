@@ -174,12 +174,18 @@ def margin_figure(plt, results):
 
 def facts(header: dict, dtypes: list[str]) -> list[str]:
     """What a report states beside the verdicts: configurations, versions, device, profile, date."""
-    from importlib.metadata import distributions
+    from importlib.metadata import PackageNotFoundError, version
 
     from doracheck import __version__
     from doracheck.properties.calibrate import device_name
-    installed = {d.metadata["Name"].lower(): d.version for d in distributions()}
-    found = {"doracheck": __version__, **{k: installed.get(k) for k in ("torch", "triton", "peft")}, "python": sys.version.split()[0]}
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    found = {"doracheck": __version__, **{k: installed(k) for k in ("torch", "triton", "peft")}, "python": sys.version.split()[0]}
     return [f"date {time.strftime('%Y-%m-%d')}; profile {header['profile']}; dtypes {', '.join(dtypes)}; device {header['device']} "
             f"({device_name(header['device'])}), budget family {header['family']}",
             "versions: " + ", ".join(f"{k} {v}" for k, v in found.items() if v),

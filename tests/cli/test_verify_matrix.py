@@ -185,3 +185,13 @@ def test_a_markdown_report_replaces_only_its_own(tmp_path, capsys):
     assert "second" in (tmp_path / "r.md").read_text() and "first" not in (tmp_path / "r.md").read_text()
     with pytest.raises(OSError, match="not a Markdown report"):
         write_report(str(notes), [run], {"impl": "x"}, [])
+
+
+def test_a_markdown_cell_stays_one_literal_cell():
+    """An implementation's error text (newlines, '|', HTML) must not break the table or inject markup."""
+    from doracheck.cli.html_report import MarkdownReport
+
+    report = MarkdownReport("t")
+    report.table(("property", "detail"), [("p", "boom | pipe\nsecond line <b>bold</b> & amp")])
+    rows = report.render().strip().splitlines()[-3:]
+    assert rows[-1] == "| p | boom \\| pipe second line &lt;b&gt;bold&lt;/b&gt; &amp; amp |"
