@@ -46,6 +46,11 @@ def merge_unmerge(impl: Implementation, dtype: torch.dtype, family: str, device=
 
 
 # 8 ---------------------------------------------------------------------------------------
+# edge.zero_row's case as a reproducer rebuilds it (properties/repro.py): row 4 of W and of B zeroed, no bias.
+_ZERO_ROW_EDIT = ("W, B = p.weight_rows.clone(), p.lora_B.clone()\nW[4] = 0\nB[4] = 0  # row 4 of W + s·B·A is zero\n"
+                  "p = replace(p, weight=W.t().contiguous() if p.fan_in_fan_out else W, lora_B=B, bias=None)")
+
+
 def determinism_edges(impl: Implementation, dtype: torch.dtype, family: str, device="cpu") -> list[CheckResult]:
     dt = _dtype_name(dtype)
     p = make_problem(17, 23, 5, (3, 7), dtype, seed=11, device=device)
@@ -84,7 +89,8 @@ def determinism_edges(impl: Implementation, dtype: torch.dtype, family: str, dev
         _result("edge.noncontiguous", dt, nc_err, fwd, 1, "transposed (non-contiguous) x"),
         _result("edge.3d", dt, flat_err, fwd, 1, "3-D x vs flattened"),
         CheckResult("edge.zero_row", dt, zero_ok, 0.0 if zero_ok else 1.0, 0.0, 1,
-                    "a zero row of W and B gives 0, not NaN" + ("" if zero_ok else " — " + _zero_row_cause(impl, p, yz, W, B, fwd))),
+                    "a zero row of W and B gives 0, not NaN" + ("" if zero_ok else " — " + _zero_row_cause(impl, p, yz, W, B, fwd)),
+                    case={"recipe": p.recipe, "edit": _ZERO_ROW_EDIT}),
         CheckResult("edge.nan_inf", dt, nan_ok, 0.0 if nan_ok else 1.0, 0.0, 1, "NaN/Inf in x reach that row only"),
     ]
     return results

@@ -99,7 +99,8 @@ def compose_problem(dtype: torch.dtype, d_out: int = 64, d_in: int = 32, seed: i
     n = norm_terms_ref(W, A, B, 2.0).norm
     m = (n * (1 + log_uniform_deltas(d_out, gen))).to(torch.float32)
     b = (torch.randn(d_out, generator=gen) * 0.5).to(dtype)
-    p = Problem(x, W, A, B, m, 2.0, b, False, f"compose one-hot {d_out}x{d_in} {str(dtype)[6:]} seed{seed}")
+    p = Problem(x, W, A, B, m, 2.0, b, False, f"compose one-hot {d_out}x{d_in} {str(dtype)[6:]} seed{seed}",
+                recipe=f"compose_problem({dtype}, {d_out}, {d_in}, seed={seed})")
     return p.to(device) if torch.device(device).type != "cpu" else p
 
 
@@ -151,5 +152,7 @@ def compose_near_one(impl: Implementation, dtype: torch.dtype, family: str, seed
             return _worst_of(compose_error_ulps(a, p, fp32_terms, exact=b).flatten().tolist()) / max(ulps, 1.0)
 
         label += " — " + verdict(explaining(impl, worst_problem, distance))
-    rows = [_result("compose.near_one", dt, worst, ulps, len(seeds), f"ulps beyond the fp32 allowance; worst: {label}")]
+    row = _result("compose.near_one", dt, worst, ulps, len(seeds), f"ulps beyond the fp32 allowance; worst: {label}")
+    edit = "" if worst_problem is None or not refused else "p = replace(p, magnitude=p.magnitude.to(p.x.dtype))  # m in x's dtype"
+    rows = [replace(row, case={"recipe": worst_problem.recipe, "edit": edit}) if worst_problem is not None else row]
     return rows + ([_na("compose.mixed_dtypes", dt, f"refused, judged with m in {dt}: {refused}")] if refused else [])

@@ -1,7 +1,9 @@
 """A standalone Python reproducer for a failed row of ``doracheck verify`` (``--repro``, the reports).
 verify's cases come from fixed ``make_problem`` seeds (no hypothesis), so a problem's ``recipe`` is the
 case: an accuracy row (``forward.y``, ``backward.*``) is rebuilt exactly (its worst case, dy and the
-keep-mask from the suite's seeds, cast as ``props_common._grads`` casts); any other row re-runs its item."""
+keep-mask from the suite's seeds, cast as ``props_common._grads`` casts); a forward row that carries its
+case (``compose.near_one``, ``edge.zero_row``) is rebuilt and set beside the fp64 oracle; any other row
+re-runs its item."""
 
 from .props_accuracy import MASK_SEED
 from .results import CheckResult
@@ -33,6 +35,29 @@ error = rel_l2(got[{out!r}], want[{out!r}])
 print(f"{prop} [{dtype}]: relative L2 error {{error:.3e}}, budget {budget:.3e} (verify's a-priori bound for this case)")
 '''
 
+_FORWARD = '''\
+import contextlib
+from dataclasses import replace
+
+import torch
+from doracheck.properties.implementations import resolve
+from doracheck.properties.problems import make_problem
+from doracheck.properties.props_norm import compose_problem
+from doracheck.reference import dora_forward_ref, rel_l2, ulp_of
+
+impl = resolve({spec!r})
+p = {recipe}.to({device!r})
+{edit}
+with torch.no_grad(), (impl.setting or contextlib.nullcontext)():
+    y = impl.dora_linear(p.x, p.weight, p.lora_A, p.lora_B, p.magnitude, p.scaling, p.bias, fan_in_fan_out=p.fan_in_fan_out).cpu()
+exact = dora_forward_ref(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in p.args()), fan_in_fan_out=p.fan_in_fan_out)
+bad, bad_exact = ~torch.isfinite(y), ~torch.isfinite(exact)
+both = ~bad & ~bad_exact
+ulps = ((y.double() - exact).abs() / ulp_of(exact, y.dtype))[both]
+print(f"{prop} [{dtype}]: y has {{int(bad.sum())}} non-finite values (the fp64 oracle {{int(bad_exact.sum())}}); the finite "
+      f"ones: relative L2 error {{rel_l2(y[both], exact[both]):.3e}}, largest {{float(ulps.max()) if ulps.numel() else 0.0:.3g}} ulp")
+'''
+
 _ITEM = '''\
 from doracheck.properties.implementations import resolve
 from doracheck.properties.suite import run_item, suite_items
@@ -49,6 +74,8 @@ def snippet(spec: str, r: CheckResult, device: str, profile: str) -> str:
     """Python source that reproduces the failed row ``r`` of ``verify --impl spec`` (run where the
     implementation's module is importable); its first line names the failure."""
     title = f"# doracheck verify --impl {spec}: {r.prop} [{r.dtype}] FAIL {r.worst:.3e} > {r.budget:.3e}\n"
+    if r.case is not None and "edit" in r.case:  # a forward row: its case, beside the oracle
+        return title + _FORWARD.format(spec=spec, recipe=r.case["recipe"], device=device, edit=r.case["edit"], prop=r.prop, dtype=r.dtype)
     if r.case is not None:  # an accuracy row (forward.y, backward.*): its worst case, rebuilt
         return title + _ACCURACY.format(spec=spec, recipe=r.case["recipe"], device=device, dy_seed=r.case["dy_seed"], mask_seed=MASK_SEED,
                                         dropout_p=r.case["dropout_p"], out=r.prop.split(".")[1], prop=r.prop, dtype=r.dtype, budget=r.budget)

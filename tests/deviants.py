@@ -125,6 +125,8 @@ def dropout_on_base(x, weight, lora_A, lora_B, magnitude, scaling, bias=None, **
     return doracheck.dora_linear(x, weight, lora_A, lora_B, magnitude, scaling, bias, **kw)
 
 
+zero_row_gives_nan = _with_g(lambda m, n, args: m / n.to(m.dtype))  # g = m / n: no eps floor
+
 PLANTED = {  # class name (reference.deviations) -> (wrapper, the dtype where it shows)
     "bias scaled by g": (bias_scaled_by_g, "fp32"),
     "g rounded": (g_rounded, "bf16"),
@@ -139,6 +141,6 @@ PLANTED = {  # class name (reference.deviations) -> (wrapper, the dtype where it
     "fan_in_fan_out ignored": (fan_in_fan_out_ignored, "fp32"),
     "magnitude ignored": (magnitude_ignored, "fp32"),
     "magnitude applied twice": (magnitude_twice, "fp32"),
-    "zero row gives NaN": (_with_g(lambda m, n, args: m / n.to(m.dtype)), "fp32"),
+    "zero row gives NaN": (zero_row_gives_nan, "fp32"),
     "dropout on the base too": (dropout_on_base, "fp32"),
 }

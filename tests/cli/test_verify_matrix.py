@@ -195,3 +195,23 @@ def test_a_markdown_cell_stays_one_literal_cell():
     report.table(("property", "detail"), [("p", "boom | pipe\nsecond line <b>bold</b> & amp")])
     rows = report.render().strip().splitlines()[-3:]
     assert rows[-1] == "| p | boom \\| pipe second line &lt;b&gt;bold&lt;/b&gt; &amp; amp |"
+
+
+def test_a_zero_row_failure_is_rebuilt_beside_the_oracle(capsys):
+    """edge.zero_row's reproducer rebuilds its case (row 4 of W and B zeroed, no bias), calls the
+    implementation and the fp64 oracle, and shows the NaNs the oracle does not have."""
+    import torch
+
+    import doracheck
+    from doracheck.properties.props_common import Implementation
+    from doracheck.properties.props_edges import determinism_edges
+
+    spec = "deviants:zero_row_gives_nan"
+    row = next(r for r in determinism_edges(resolve(spec), torch.float32, "cpu") if r.prop == "edge.zero_row")
+    assert row.status == "FAIL" and row.case["edit"]
+    exec(compile(snippet(spec, row, "cpu", "quick"), "repro", "exec"), {"__name__": "__main__"})
+    out = capsys.readouterr().out
+    assert re.search(r"edge\.zero_row \[fp32\]: y has [1-9]\d* non-finite values \(the fp64 oracle 0\)", out), out
+    good = next(r for r in determinism_edges(Implementation("doracheck", doracheck.dora_linear), torch.float32, "cpu")
+                if r.prop == "edge.zero_row")
+    assert good.status == "pass"
