@@ -12,25 +12,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import sys
-import types
 
 import pytest
 
 from doracheck.cli.main import main
-from doracheck.properties.unsupported import Unsupported
-
-
-@pytest.fixture
-def na_module(monkeypatch):
-    module = types.ModuleType("doracheck_test_na_impl")
-
-    def never(*args, **kwargs):
-        raise Unsupported("this implementation supports nothing")
-
-    module.never = never
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    return module.__name__
 
 
 def test_nothing_checkable_is_exit_2_with_the_reason(na_module, capsys):

@@ -12,7 +12,6 @@ import json
 import re
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,6 @@ from doracheck.cli.verify_cmd import Run, write_report
 from doracheck.properties.implementations import resolve
 from doracheck.properties.repro import snippet
 from doracheck.properties.suite import run_item, suite_items
-from doracheck.properties.unsupported import Unsupported
 
 TESTS = Path(__file__).resolve().parents[1]
 PLANTED = "deviants:bias_scaled_by_g"
@@ -143,19 +141,8 @@ def test_json_for_several_implementations(capsys):
     assert not any("repro" in r for r in theirs["results"] if r["status"] != "FAIL")
 
 
-@pytest.fixture
-def na_spec(monkeypatch):
-    module = types.ModuleType("doracheck_test_matrix_na")
-
-    def never(*args, **kwargs):
-        raise Unsupported("this implementation supports nothing")
-
-    module.never = never
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    return f"{module.__name__}:never"
-
-
-def test_exit_2_when_nothing_is_checkable_for_any_implementation(na_spec, capsys):
+def test_exit_2_when_nothing_is_checkable_for_any_implementation(na_module, capsys):
+    na_spec = f"{na_module}:never"
     """A CI line `--impl doracheck --impl mine` must not stay green with nothing of `mine` checked."""
     assert main(["verify", "--impl", na_spec, "--impl", "doracheck", "--quick", "--dtype", "fp32", "--json"]) == 2
     captured = capsys.readouterr()
